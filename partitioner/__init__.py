@@ -1,0 +1,5 @@
+"""PipeDream's partitioner: split a profiled model into (replicated) pipeline stages."""
+
+from .plan import PLAN_FORMAT, PLAN_VERSION, Plan, PlanError, PlanStage, load_plan
+
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Plan", "PlanError", "PlanStage", "load_plan"]

@@ -1,0 +1,299 @@
+"""The profile: what was measured about a model, layer by layer.
+
+A :class:`Profile` is a DAG of :class:`Layer` records in topological order (layer ``i`` only feeds layers
+``j > i``). It is pure data, torch-free, and is what the partitioner plans from.
+
+JSON format (``"format": "pipedream-ft-profile"``, ``"version": 1``)::
+
+    {
+      "format": "pipedream-ft-profile",
+      "version": 1,
+      "meta": {"model": "examples.models:small_cnn", "batch_size": 32, "device": "cpu", ...},
+      "layers": [
+        {"name": "0", "description": "Conv2d(1, 16, ...)", "forward_ms": 0.41, "backward_ms": 0.83,
+         "activation_bytes": 131072, "parameter_bytes": 640},
+        ...
+      ],
+      "edges": [[0, 1], [1, 2], ...]
+    }
+
+Times are per minibatch in milliseconds; sizes are bytes (``activation_bytes`` is the layer's output for one
+minibatch). Edges index into ``layers``. Layer names are the handle the runtime uses to find the layer in the
+model: the child's index for an ``nn.Sequential``, the fx node name for a traced model, ``nodeN`` for profiles
+imported from PipeDream's ``graph.txt``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "Layer",
+    "Profile",
+    "ProfileError",
+    "load_profile",
+]
+
+FORMAT = "pipedream-ft-profile"
+VERSION = 1
+
+
+class ProfileError(ValueError):
+    """A profile is malformed; the message names the file, line or field."""
+
+
+@dataclass(frozen=True, slots=True)
+class Layer:
+    """One profiled layer."""
+
+    name: str
+    """Handle of the layer in the model (Sequential index, fx node name, or ``nodeN``)."""
+    description: str
+    """Human-readable description, e.g. the module's ``repr``."""
+    forward_ms: float
+    """Median forward time for one minibatch, milliseconds."""
+    backward_ms: float
+    """Median backward time for one minibatch, milliseconds."""
+    activation_bytes: float
+    """Bytes of this layer's output for one minibatch."""
+    parameter_bytes: float
+    """Bytes of this layer's own parameters."""
+
+    def __post_init__(self) -> None:
+        for key in ("forward_ms", "backward_ms", "activation_bytes", "parameter_bytes"):
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ProfileError(f"layer {self.name!r}: {key} must be a number, got {value!r}")
+            if math.isnan(value) or math.isinf(value) or value < 0:
+                raise ProfileError(f"layer {self.name!r}: {key} must be finite and >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """A model's layer DAG with per-layer costs, in topological order."""
+
+    layers: tuple[Layer, ...]
+    edges: tuple[tuple[int, int], ...]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ProfileError("profile has no layers")
+        n = len(self.layers)
+        names: set[str] = set()
+        for layer in self.layers:
+            if layer.name in names:
+                raise ProfileError(f"duplicate layer name {layer.name!r}")
+            names.add(layer.name)
+        for a, b in self.edges:
+            if not (0 <= a < n and 0 <= b < n):
+                raise ProfileError(f"edge ({a}, {b}) names an unknown layer (the profile has {n} layers)")
+            if a >= b:
+                raise ProfileError(
+                    f"edge {self.layers[a].name} -> {self.layers[b].name} goes backwards: layers must be in "
+                    "topological order (is there a cycle?)"
+                )
+
+    # -- construction -------------------------------------------------------------------------------------
+
+    @staticmethod
+    def from_unordered(
+        layers: Sequence[Layer], edges: Iterable[tuple[str, str]], meta: dict[str, Any] | None = None
+    ) -> Profile:
+        """Build a profile from layers in any order and edges given by name; sorts topologically.
+
+        Ties are broken by the original order, so an already ordered input is kept as is. Raises
+        :class:`ProfileError` on an unknown name or a cycle.
+        """
+        index = {layer.name: i for i, layer in enumerate(layers)}
+        if len(index) != len(layers):
+            seen: set[str] = set()
+            dup = next(layer.name for layer in layers if layer.name in seen or seen.add(layer.name))  # type: ignore[func-returns-value]
+            raise ProfileError(f"duplicate layer name {dup!r}")
+        succ: list[list[int]] = [[] for _ in layers]
+        indeg = [0] * len(layers)
+        pairs: list[tuple[int, int]] = []
+        for a, b in edges:
+            for end in (a, b):
+                if end not in index:
+                    raise ProfileError(f"edge {a} -- {b} names unknown layer {end!r}")
+            ia, ib = index[a], index[b]
+            if (ia, ib) in pairs:
+                continue
+            pairs.append((ia, ib))
+            succ[ia].append(ib)
+            indeg[ib] += 1
+        import heapq
+
+        ready = [i for i in range(len(layers)) if indeg[i] == 0]
+        heapq.heapify(ready)
+        order: list[int] = []
+        while ready:
+            i = heapq.heappop(ready)
+            order.append(i)
+            for j in succ[i]:
+                indeg[j] -= 1
+                if indeg[j] == 0:
+                    heapq.heappush(ready, j)
+        if len(order) != len(layers):
+            stuck = sorted(layers[i].name for i in range(len(layers)) if indeg[i] > 0)
+            raise ProfileError(f"the layer graph has a cycle through {', '.join(stuck[:5])}")
+        pos = {old: new for new, old in enumerate(order)}
+        new_edges = tuple(sorted((pos[a], pos[b]) for a, b in pairs))
+        return Profile(tuple(layers[i] for i in order), new_edges, dict(meta or {}))
+
+    # -- queries --------------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def index(self, name: str) -> int:
+        for i, layer in enumerate(self.layers):
+            if layer.name == name:
+                return i
+        raise KeyError(name)
+
+    def predecessors(self) -> list[list[int]]:
+        preds: list[list[int]] = [[] for _ in self.layers]
+        for a, b in self.edges:
+            preds[b].append(a)
+        return preds
+
+    def successors(self) -> list[list[int]]:
+        succ: list[list[int]] = [[] for _ in self.layers]
+        for a, b in self.edges:
+            succ[a].append(b)
+        return succ
+
+    def is_chain(self) -> bool:
+        return list(self.edges) == [(i, i + 1) for i in range(len(self.layers) - 1)]
+
+    def structure_hash(self) -> str:
+        """SHA-256 of the model's structure: layer names, descriptions, parameter bytes and edges.
+
+        Times and activation sizes are left out, so profiling the same model again (or at another batch
+        size) keeps the hash, while a different model changes it. Plans carry it; the runtime refuses a plan
+        whose hash differs from its model's.
+        """
+        body = {
+            "layers": [[l.name, l.description, int(l.parameter_bytes)] for l in self.layers],
+            "edges": [list(e) for e in self.edges],
+        }
+        blob = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    # -- JSON -----------------------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "meta": self.meta,
+            "layers": [
+                {
+                    "name": l.name,
+                    "description": l.description,
+                    "forward_ms": l.forward_ms,
+                    "backward_ms": l.backward_ms,
+                    "activation_bytes": l.activation_bytes,
+                    "parameter_bytes": l.parameter_bytes,
+                }
+                for l in self.layers
+            ],
+            "edges": [list(e) for e in self.edges],
+        }
+
+    def save(self, path: str | Path) -> None:
+        """Write JSON (``.json``) or PipeDream's ``graph.txt`` (any other suffix), atomically."""
+        path = Path(path)
+        if path.suffix == ".json":
+            text = json.dumps(self.to_json(), indent=1) + "\n"
+        else:
+            from .graphtxt import dumps_graph_txt
+
+            text = dumps_graph_txt(self)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+
+    @staticmethod
+    def from_json(data: Any, source: str = "<profile>") -> Profile:
+        """Parse the JSON document produced by :meth:`to_json`; errors name ``source`` and the field."""
+        if not isinstance(data, dict):
+            raise ProfileError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        if data.get("format") != FORMAT:
+            raise ProfileError(f"{source}: field 'format' must be {FORMAT!r}, got {data.get('format')!r}")
+        if data.get("version") != VERSION:
+            raise ProfileError(f"{source}: unsupported profile version {data.get('version')!r} (this reads {VERSION})")
+        raw_layers = data.get("layers")
+        if not isinstance(raw_layers, list) or not raw_layers:
+            raise ProfileError(f"{source}: field 'layers' must be a non-empty list")
+        layers: list[Layer] = []
+        for i, raw in enumerate(raw_layers):
+            where = f"{source}: layers[{i}]"
+            if not isinstance(raw, dict):
+                raise ProfileError(f"{where}: expected an object")
+            try:
+                layers.append(
+                    Layer(
+                        name=str(raw["name"]),
+                        description=str(raw.get("description", "")),
+                        forward_ms=_number(raw, "forward_ms", where),
+                        backward_ms=_number(raw, "backward_ms", where),
+                        activation_bytes=_number(raw, "activation_bytes", where),
+                        parameter_bytes=_number(raw, "parameter_bytes", where),
+                    )
+                )
+            except KeyError as exc:
+                raise ProfileError(f"{where}: missing field {exc.args[0]!r}") from None
+            except ProfileError as exc:
+                raise ProfileError(f"{where}: {exc}") from None
+        raw_edges = data.get("edges", [])
+        if not isinstance(raw_edges, list):
+            raise ProfileError(f"{source}: field 'edges' must be a list")
+        edges: list[tuple[int, int]] = []
+        for i, e in enumerate(raw_edges):
+            if not (isinstance(e, list) and len(e) == 2 and all(isinstance(x, int) for x in e)):
+                raise ProfileError(f"{source}: edges[{i}] must be a pair of layer indices, got {e!r}")
+            if not all(0 <= x < len(layers) for x in e):
+                raise ProfileError(f"{source}: edges[{i}] = {e!r} names an unknown layer ({len(layers)} layers)")
+            edges.append((e[0], e[1]))
+        meta = data.get("meta", {})
+        if not isinstance(meta, dict):
+            raise ProfileError(f"{source}: field 'meta' must be an object")
+        try:
+            return Profile.from_unordered(layers, [(layers[a].name, layers[b].name) for a, b in edges], meta)
+        except ProfileError as exc:
+            raise ProfileError(f"{source}: {exc}") from None
+
+
+def _number(raw: dict[str, Any], key: str, where: str) -> float:
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProfileError(f"field {key!r} must be a number, got {value!r}")
+    return float(value)
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read a profile from JSON or PipeDream's ``graph.txt`` (chosen by content, not suffix)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read profile: {exc.strerror or exc}") from None
+    if text.lstrip().startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+        return Profile.from_json(data, source=str(path))
+    from .graphtxt import parse_graph_txt
+
+    return parse_graph_txt(text, source=str(path))
