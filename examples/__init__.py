@@ -1,0 +1,1 @@
+"""Example models and scripts for pipedream-ft."""

@@ -1,0 +1,212 @@
+"""``pipedream-profile``: profile a model from a factory function and write the profile.
+
+Example (from the repository root)::
+
+    pipedream-profile examples.models:digits_cnn --input-shape 1,8,8 --batch-size 32 -o digits.json
+
+``OUT`` ending in ``.json`` gets the JSON format, anything else PipeDream's ``graph.txt``. Errors are one line
+on stderr starting with ``pipedream-profile: error:`` and exit status 2; the output is then left untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, NoReturn
+
+__all__ = ["main"]
+
+PROG = "pipedream-profile"
+
+
+class CliError(Exception):
+    """A user error: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise CliError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Profile a PyTorch model layer by layer for PipeDream partitioning.")
+    p.add_argument("target", metavar="MODULE:FACTORY", help="factory returning the model, e.g. examples.models:digits_cnn")
+    p.add_argument("--input-shape", required=True, metavar="C,H,W", help="shape of one sample, comma separated")
+    p.add_argument("--batch-size", required=True, type=int, metavar="N", help="minibatch size")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", default="float32", help="floating dtype of model and input (default float32)")
+    p.add_argument("--int-input", type=int, metavar="VOCAB", help="feed integer token ids in [0, VOCAB) instead")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs per layer (default 2)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per layer; the median is kept (default 5)")
+    p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building the model (default 0)")
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="output file (.json, else graph.txt)")
+    return p
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    parts = [s.strip() for s in text.split(",")]
+    try:
+        shape = tuple(int(s) for s in parts)
+    except ValueError:
+        raise CliError(f"bad --input-shape {text!r}: expected positive integers separated by commas, e.g. 1,8,8") from None
+    if not shape or any(d <= 0 for d in shape):
+        raise CliError(f"bad --input-shape {text!r}: dimensions must be positive")
+    return shape
+
+
+def _load_factory(target: str) -> tuple[str, Any]:
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise CliError(f"bad model {target!r}: expected MODULE:FACTORY, e.g. examples.models:digits_cnn")
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise CliError(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
+    factory: Any = module
+    try:
+        for part in attr.split("."):
+            factory = getattr(factory, part)
+    except AttributeError:
+        raise CliError(f"module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(factory):
+        raise CliError(f"{target} is not callable")
+    return target, factory
+
+
+def _check_output(path: Path) -> None:
+    if path.is_dir():
+        raise CliError(f"cannot write {str(path)!r}: it is a directory")
+    parent = path.parent
+    if not parent.is_dir():
+        raise CliError(f"cannot write {str(path)!r}: directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise CliError(f"cannot write {str(path)!r}: permission denied")
+
+
+def _write(profile: Any, path: Path) -> None:
+    from .graphtxt import dumps_graph_txt
+
+    text = json.dumps(profile.to_json(), indent=1) + "\n" if path.suffix == ".json" else dumps_graph_txt(profile)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise CliError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def _table(profile: Any) -> str:
+    rows = [("layer", "fwd ms", "bwd ms", "activation", "params")]
+    for l in profile.layers:
+        name = l.name if len(l.name) <= 24 else l.name[:21] + "..."
+        rows.append((name, f"{l.forward_ms:.3f}", f"{l.backward_ms:.3f}", _size(l.activation_bytes), _size(l.parameter_bytes)))
+    fwd = sum(l.forward_ms for l in profile.layers)
+    bwd = sum(l.backward_ms for l in profile.layers)
+    act = sum(l.activation_bytes for l in profile.layers)
+    par = sum(l.parameter_bytes for l in profile.layers)
+    rows.append((f"total ({len(profile.layers)} layers)", f"{fwd:.3f}", f"{bwd:.3f}", _size(act), _size(par)))
+    widths = [max(len(r[c]) for r in rows) for c in range(5)]
+
+    def fmt(r: tuple[str, ...]) -> str:
+        return "  ".join([r[0].ljust(widths[0])] + [r[c].rjust(widths[c]) for c in range(1, 5)])
+
+    lines = [fmt(rows[0]), "-" * len(fmt(rows[0]))] + [fmt(r) for r in rows[1:-1]]
+    lines += ["-" * len(fmt(rows[0])), fmt(rows[-1])]
+    return "\n".join(lines)
+
+
+def _run(argv: list[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    shape = _parse_shape(args.input_shape)
+    if args.batch_size <= 0:
+        raise CliError(f"--batch-size must be positive, got {args.batch_size}")
+    if args.warmup < 0 or args.repeats < 1:
+        raise CliError("need --warmup >= 0 and --repeats >= 1")
+    if args.int_input is not None and args.int_input <= 0:
+        raise CliError(f"--int-input must be a positive vocabulary size, got {args.int_input}")
+    output = Path(args.output)
+    _check_output(output)
+
+    import torch
+    from torch import nn
+
+    from .measure import profile_model, resolve_device
+
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise CliError(f"unknown floating dtype {args.dtype!r} (e.g. float32, float64, bfloat16, float16)")
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+    name, factory = _load_factory(args.target)
+    torch.manual_seed(args.seed)
+    try:
+        model = factory()
+    except Exception as exc:
+        raise CliError(f"{name}() raised {type(exc).__name__}: {exc}") from None
+    if not isinstance(model, nn.Module):
+        raise CliError(f"{name}() returned {type(model).__name__}, not a torch.nn.Module")
+    model = model.to(dtype=dtype)
+    if args.int_input is not None:
+        example = torch.randint(0, args.int_input, (args.batch_size, *shape))
+    else:
+        example = torch.randn(args.batch_size, *shape, dtype=dtype)
+
+    try:
+        profile = profile_model(
+            model,
+            example,
+            device=device,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            progress=True,
+            meta={"model": name},
+        )
+    except Exception as exc:
+        raise CliError(f"profiling {name} failed: {type(exc).__name__}: {exc}") from None
+    _write(profile, output)
+    print(_table(profile))
+    print(f"wrote {output} ({len(profile)} layers, structure hash {profile.structure_hash()[:12]})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0, or 2 on an error)."""
+    try:
+        return _run(argv)
+    except CliError as exc:
+        print(f"{PROG}: error: {_one_line(str(exc))}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: error: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

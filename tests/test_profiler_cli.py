@@ -1,0 +1,175 @@
+"""The ``pipedream-profile`` command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from profiler import load_profile
+from profiler.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["--warmup", "0", "--repeats", "1"]
+
+
+@pytest.fixture(autouse=True)
+def _in_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the CLI puts the current directory on it
+
+
+def _error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("pipedream-profile: error: ")
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_profile_cnn_to_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cnn.json"
+    rc = main(["examples.models:digits_cnn", "--input-shape", "1,8,8", "--batch-size", "4", *FAST, "-o", str(out)])
+    assert rc == 0
+    p = load_profile(out)
+    assert len(p) == 11 and p.is_chain()
+    assert p.meta["model"] == "examples.models:digits_cnn"
+    assert p.meta["batch_size"] == 4 and p.meta["input_shapes"] == [[4, 1, 8, 8]]
+    stdout = capsys.readouterr().out
+    assert "fwd ms" in stdout and "total" in stdout and str(out) in stdout
+    assert [f.name for f in tmp_path.iterdir()] == ["cnn.json"]
+
+
+def test_profile_resnet_to_graph_txt(tmp_path: Path) -> None:
+    out = tmp_path / "resnet.graph.txt"
+    rc = main(["examples.models:digits_resnet", "--input-shape", "1,8,8", "--batch-size", "2", *FAST, "-o", str(out)])
+    assert rc == 0
+    text = out.read_text()
+    assert text.startswith("node1 -- Conv2d(1, 16")
+    p = load_profile(out)
+    assert len(p) == 15 and not p.is_chain()
+
+
+def test_structure_hash_matches_in_process_profile(tmp_path: Path) -> None:
+    from examples.models import mlp
+    from profiler.layers import structure_profile
+
+    out = tmp_path / "mlp.json"
+    assert main(["examples.models:mlp", "--input-shape", "64", "--batch-size", "3", *FAST, "-o", str(out)]) == 0
+    assert load_profile(out).structure_hash() == structure_profile(mlp()).structure_hash()
+
+
+def test_int_input_and_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = tmp_path / "tokmodels.py"
+    mod.write_text(
+        "from torch import nn\n"
+        "def tiny():\n"
+        "    return nn.Sequential(nn.Embedding(20, 4), nn.Flatten(), nn.Linear(4 * 5, 2))\n"
+    )
+    out = tmp_path / "tok.json"
+    monkeypatch.chdir(tmp_path)  # the current directory goes on sys.path
+    argv = ["tokmodels:tiny", "--input-shape", "5", "--batch-size", "3", "--int-input", "20", "--dtype", "float64"]
+    assert main([*argv, *FAST, "-o", str(out)]) == 0
+    p = load_profile(out)
+    assert p.layers[0].activation_bytes == 3 * 5 * 4 * 8
+    assert p.meta["dtype"] == "float64"
+    sys.modules.pop("tokmodels", None)
+
+
+BAD = [
+    (["examples.models"], "MODULE:FACTORY"),
+    (["examples.models:"], "MODULE:FACTORY"),
+    (["no_such_module_xyz:f"], "cannot import"),
+    (["examples.models:no_such_factory"], "no attribute"),
+    (["examples.models:mlp", "--input-shape", "1,x,8"], "--input-shape"),
+    (["examples.models:mlp", "--input-shape", "0,8"], "--input-shape"),
+    (["examples.models:mlp", "--batch-size", "0"], "--batch-size"),
+    (["examples.models:mlp", "--device", "warp9"], "device"),
+    (["examples.models:mlp", "--dtype", "float99"], "dtype"),
+    (["examples.models:mlp", "--dtype", "int32"], "dtype"),
+    (["examples.models:digits_cnn"], "failed"),  # the shape 64 does not fit a CNN
+    (["examples.models:mlp", "--bogus-flag"], "unrecognized"),
+]
+
+
+@pytest.mark.parametrize("extra,expect", BAD)
+def test_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], expect: str) -> None:
+    out = tmp_path / "p.json"
+    argv = [extra[0], "--input-shape", "64", "--batch-size", "2", *FAST, "-o", str(out), *extra[1:]]
+    assert main(argv) == 2
+    assert expect in _error_line(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_factory_raising(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "p.json"
+    argv = ["examples.models:mlp", "--input-shape", "64", "--batch-size", "2", "-o", str(out)]
+    (tmp_path / "badfactory.py").write_text(
+        "def boom():\n    raise RuntimeError('no model\\ntoday')\ndef notmodel():\n    return 42\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    argv[0] = "badfactory:boom"
+    assert main(argv) == 2
+    line = _error_line(capsys)
+    assert "boom() raised RuntimeError: no model today" in line
+    argv[0] = "badfactory:notmodel"
+    assert main(argv) == 2
+    assert "not a torch.nn.Module" in _error_line(capsys)
+    assert sorted(f.name for f in tmp_path.iterdir() if f.suffix != ".pyc" and f.name != "__pycache__") == ["badfactory.py"]
+    sys.modules.pop("badfactory", None)
+
+
+def test_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    assert "MODULE:FACTORY" in capsys.readouterr().out
+
+
+def test_missing_required_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["examples.models:mlp"]) == 2
+    assert "required" in _error_line(capsys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cuda_unavailable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "p.json"
+    argv = ["examples.models:mlp", "--input-shape", "64", "--batch-size", "2", "--device", "cuda:0", "-o", str(out)]
+    assert main(argv) == 2
+    assert "CUDA is not available" in _error_line(capsys)
+    assert not out.exists()
+
+
+def test_unwritable_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["examples.models:mlp", "--input-shape", "64", "--batch-size", "2", *FAST, "-o"]
+    assert main([*argv, str(tmp_path / "missing" / "p.json")]) == 2
+    assert "does not exist" in _error_line(capsys)
+    assert main([*argv, str(tmp_path)]) == 2
+    assert "directory" in _error_line(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_output_kept_on_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "p.json"
+    out.write_text("old")
+    argv = ["examples.models:digits_cnn", "--input-shape", "3", "--batch-size", "2", *FAST, "-o", str(out)]
+    assert main(argv) == 2
+    _error_line(capsys)
+    assert out.read_text() == "old"
+    assert [f.name for f in tmp_path.iterdir()] == ["p.json"]
+
+
+def test_subprocess_exit_status_and_single_line(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    cmd = [sys.executable, "-m", "profiler.cli", "examples.models:nope", "--input-shape", "1,8,8", "--batch-size", "2", "-o", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pipedream-profile: error: ")
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+    assert not out.exists()
