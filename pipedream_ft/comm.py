@@ -1,0 +1,250 @@
+"""Point-to-point transfers between neighbouring stages, non-blocking and with timeouts.
+
+An activation message is a fixed-size ``int64`` header followed by the tensors crossing the boundary. The
+header carries the minibatch number, a version tag, flags (for instance "checkpoint after this minibatch")
+and the tensors' dtypes and shapes, so the receiver learns shapes from the first message on a link without the
+user declaring them; later receives are posted ahead of time with the learned shapes, and the header is
+checked against them. A gradient message is just the gradients of the floating-point tensors of the matching
+activation message, whose shapes both sides already know.
+
+Every wait is bounded: a peer that is dead or stuck makes :class:`PeerTimeoutError` name the operation and the
+peer instead of hanging. With gloo each message gets its own tag; NCCL ignores tags and keeps order per pair.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["TensorSpec", "Header", "PeerTimeoutError", "ShapeMismatchError", "Messenger", "RecvHandle"]
+
+HEADER_LEN = 8 + 16 * 11
+MAX_TENSORS = 16
+MAX_DIMS = 8
+_MAGIC = 0x5044  # "PD"
+
+_DTYPES: list[torch.dtype] = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.complex64,
+]
+_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+
+
+class PeerTimeoutError(RuntimeError):
+    """A transfer with a peer did not complete within the timeout."""
+
+
+class ShapeMismatchError(ValueError):
+    """Tensors crossing a stage boundary changed dtype or shape, or do not fit what the receiver expects."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+    @staticmethod
+    def of(t: torch.Tensor) -> TensorSpec:
+        return TensorSpec(tuple(t.shape), t.dtype)
+
+    def __str__(self) -> str:
+        return f"{str(self.dtype).replace('torch.', '')}{list(self.shape)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    minibatch: int
+    tag: int = 0
+    """A version tag (vertical sync: the weight version stage 0 used)."""
+    flags: int = 0
+
+
+def _encode(header: Header, specs: Sequence[TensorSpec], device: torch.device) -> torch.Tensor:
+    if len(specs) > MAX_TENSORS:
+        raise ShapeMismatchError(f"at most {MAX_TENSORS} tensors may cross a stage boundary, got {len(specs)}")
+    buf = [0] * HEADER_LEN
+    buf[0:5] = [_MAGIC, header.minibatch, header.tag, header.flags, len(specs)]
+    for i, spec in enumerate(specs):
+        if spec.dtype not in _CODE:
+            raise ShapeMismatchError(f"dtype {spec.dtype} cannot cross a stage boundary")
+        if len(spec.shape) > MAX_DIMS:
+            raise ShapeMismatchError(f"tensors crossing stages may have at most {MAX_DIMS} dims, got {spec}")
+        off = 8 + 11 * i
+        buf[off] = _CODE[spec.dtype]
+        buf[off + 1] = len(spec.shape)
+        buf[off + 2: off + 2 + len(spec.shape)] = list(spec.shape)
+    return torch.tensor(buf, dtype=torch.int64, device=device)
+
+
+def _decode(buf: torch.Tensor) -> tuple[Header, list[TensorSpec]]:
+    vals = buf.tolist()
+    if vals[0] != _MAGIC:
+        raise ShapeMismatchError(f"corrupt activation header (magic {vals[0]:#x})")
+    specs = []
+    for i in range(vals[4]):
+        off = 8 + 11 * i
+        ndim = vals[off + 1]
+        specs.append(TensorSpec(tuple(vals[off + 2: off + 2 + ndim]), _DTYPES[vals[off]]))
+    return Header(vals[1], vals[2], vals[3]), specs
+
+
+def _tag(minibatch: int, slot: int) -> int:
+    return (minibatch % (1 << 24)) * 32 + slot
+
+
+class RecvHandle:
+    """A posted receive; :meth:`wait` returns the header (or ``None`` for gradients) and the tensors."""
+
+    def __init__(self, messenger: Messenger, peer: int, minibatch: int, what: str) -> None:
+        self._m = messenger
+        self.peer = peer
+        self.minibatch = minibatch
+        self.what = what
+        self.header_buf: torch.Tensor | None = None
+        self.header_work: Any = None
+        self.tensors: list[torch.Tensor] = []
+        self.works: list[Any] = []
+        self.expected: list[TensorSpec] | None = None
+        self.wait_s = 0.0
+        self.deferred = False
+
+    def wait(self) -> tuple[Header | None, list[torch.Tensor]]:
+        t0 = time.perf_counter()
+        header = None
+        if self.deferred:
+            self.deferred = False
+            self._m._post_header(self)
+        if self.header_work is not None:
+            self._m._wait(self.header_work, f"{self.what} header of minibatch {self.minibatch}", self.peer)
+            header, specs = _decode(self.header_buf)  # type: ignore[arg-type]
+            if header.minibatch != self.minibatch:
+                raise ShapeMismatchError(
+                    f"expected minibatch {self.minibatch} from rank {self.peer}, got {header.minibatch}"
+                )
+            if self.expected is None:
+                self._m._learn(self.peer, specs)
+                self._post_tensors(specs)
+            elif specs != self.expected:
+                raise ShapeMismatchError(
+                    f"rank {self.peer} sent {', '.join(map(str, specs))} for minibatch {self.minibatch}, "
+                    f"but earlier minibatches were {', '.join(map(str, self.expected))}; use fixed-size "
+                    "minibatches (drop the last partial one)"
+                )
+        for w in self.works:
+            self._m._wait(w, f"{self.what} of minibatch {self.minibatch}", self.peer)
+        self.wait_s = time.perf_counter() - t0
+        return header, self.tensors
+
+    def _post_tensors(self, specs: Sequence[TensorSpec]) -> None:
+        self.expected = list(specs)
+        for i, spec in enumerate(specs):
+            t = torch.empty(spec.shape, dtype=spec.dtype, device=self._m.device)
+            self.tensors.append(t)
+            group = self._m._groups.get((self.peer, "act" if self.what == "activation" else "grad"))
+            self.works.append(dist.irecv(t, src=self.peer, tag=_tag(self.minibatch, i + 1), group=group))
+
+
+class Messenger:
+    """Sends and receives stage-boundary tensors for one rank."""
+
+    def __init__(self, device: torch.device, timeout_s: float, groups: dict[tuple[int, str], Any] | None = None) -> None:
+        """``groups[(peer, "act" | "grad")]``: the process group carrying that link's traffic (default: the world)."""
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.device = device
+        self._groups = groups or {}
+        self.timeout = timedelta(seconds=timeout_s)
+        self._learned: dict[int, list[TensorSpec]] = {}
+        self._sent_specs: dict[int, list[TensorSpec]] = {}
+        self._pending: list[tuple[Any, Any, str, int]] = []
+        self._unresolved: set[int] = set()
+
+    # -- sending ------------------------------------------------------------------------------------------
+
+    def send_activations(self, peer: int, header: Header, tensors: Sequence[torch.Tensor]) -> None:
+        specs = [TensorSpec.of(t) for t in tensors]
+        before = self._sent_specs.setdefault(peer, specs)
+        if before != specs:
+            raise ShapeMismatchError(
+                f"minibatch {header.minibatch} sends {', '.join(map(str, specs))} to rank {peer}, but earlier "
+                f"minibatches sent {', '.join(map(str, before))}; use fixed-size minibatches (drop the last "
+                "partial one)"
+            )
+        buf = _encode(header, specs, self.device)
+        self._isend(buf, peer, _tag(header.minibatch, 0), f"activation header of minibatch {header.minibatch}", "act")
+        for i, t in enumerate(tensors):
+            self._isend(t.detach().contiguous(), peer, _tag(header.minibatch, i + 1),
+                        f"activation of minibatch {header.minibatch}", "act")
+
+    def send_gradients(self, peer: int, minibatch: int, tensors: Sequence[torch.Tensor]) -> None:
+        for i, t in enumerate(tensors):
+            self._isend(t.detach().contiguous(), peer, _tag(minibatch, i + 1), f"gradient of minibatch {minibatch}",
+                        "grad")
+
+    def _isend(self, t: torch.Tensor, peer: int, tag: int, what: str, kind: str) -> None:
+        work = dist.isend(t, dst=peer, tag=tag, group=self._groups.get((peer, kind)))
+        self._pending.append((work, t, what, peer))
+        if len(self._pending) > 64:
+            self._reap()
+
+    def _reap(self) -> None:
+        self._pending = [p for p in self._pending if not p[0].is_completed()]
+
+    def flush(self) -> None:
+        """Wait until every send posted so far has completed."""
+        for work, _, what, peer in self._pending:
+            self._wait(work, f"send of {what}", peer)
+        self._pending.clear()
+
+    # -- receiving ----------------------------------------------------------------------------------------
+
+    def post_activations(self, peer: int, minibatch: int) -> RecvHandle:
+        """Post the receive of minibatch ``minibatch``'s activations from ``peer``.
+
+        Until the first header from ``peer`` has been read, at most one receive is posted per link, so that
+        backends that match messages by order alone (NCCL) never pair a header buffer with a tensor.
+        """
+        h = RecvHandle(self, peer, minibatch, "activation")
+        if peer not in self._learned and peer in self._unresolved:
+            h.deferred = True
+            return h
+        self._post_header(h)
+        return h
+
+    def _post_header(self, h: RecvHandle) -> None:
+        h.header_buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        h.header_work = dist.irecv(h.header_buf, src=h.peer, tag=_tag(h.minibatch, 0), group=self._groups.get((h.peer, "act")))
+        known = self._learned.get(h.peer)
+        if known is not None:
+            h._post_tensors(known)
+        else:
+            self._unresolved.add(h.peer)
+
+    def post_gradients(self, peer: int, minibatch: int, specs: Sequence[TensorSpec]) -> RecvHandle:
+        h = RecvHandle(self, peer, minibatch, "gradient")
+        h._post_tensors(specs)
+        return h
+
+    def _learn(self, peer: int, specs: list[TensorSpec]) -> None:
+        self._learned[peer] = specs
+        self._unresolved.discard(peer)
+
+    def _wait(self, work: Any, what: str, peer: int) -> None:
+        try:
+            ok = work.wait(self.timeout)
+        except Exception as exc:  # backends raise their own error types on timeout or a dead peer
+            raise PeerTimeoutError(
+                f"{what} with rank {peer} failed or timed out after {self.timeout.total_seconds():.0f}s: "
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            ) from None
+        if ok is False:
+            raise PeerTimeoutError(f"{what} with rank {peer} timed out after {self.timeout.total_seconds():.0f}s")

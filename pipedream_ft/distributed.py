@@ -1,0 +1,63 @@
+"""Process-group start-up that survives torchrun restarts.
+
+Under torchrun's elastic agent the workers share the agent's rendezvous store. Keys a worker group wrote
+there outlive it, and with gloo a restarted group can read its predecessor's addresses and fail in
+``Gloo connectFullMesh ... Connection refused``. :func:`init_distributed` therefore opens the store itself and
+scopes every key by run id and restart count, so each (re)started group starts from a clean namespace.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .env import DistEnv, read_env
+
+__all__ = ["init_distributed", "default_device", "shutdown"]
+
+log = logging.getLogger(__name__)
+
+
+def default_device(env: DistEnv, backend: str) -> torch.device:
+    """``cuda:LOCAL_RANK`` under NCCL, else the CPU."""
+    if backend == "nccl":
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(env: DistEnv | None = None, *, backend: str | None = None, timeout_s: float = 120.0) -> DistEnv:
+    """Join the default process group (no-op if already joined) and return where this process sits.
+
+    ``backend`` defaults to NCCL when CUDA is available, else gloo. ``timeout_s`` bounds the rendezvous and
+    every collective and point-to-point operation of the group.
+    """
+    env = env or read_env()
+    if dist.is_initialized():
+        return env
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend 'nccl' needs CUDA, but torch.cuda.is_available() is False")
+        if env.local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"LOCAL_RANK {env.local_rank} has no GPU ({torch.cuda.device_count()} visible)")
+        torch.cuda.set_device(env.local_rank)
+    timeout = timedelta(seconds=timeout_s)
+    is_host = env.rank == 0 and not env.use_agent_store
+    base = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=is_host, timeout=timeout,
+                         wait_for_workers=False)
+    store = dist.PrefixStore(f"pipedream_ft/{env.run_id}/attempt{env.restart_count}/", base)
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    log.info("rank %d/%d joined (%s, restart %d)", env.rank, env.world_size, backend, env.restart_count)
+    return env
+
+
+def shutdown() -> None:
+    """Leave the process group if joined."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

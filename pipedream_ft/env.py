@@ -1,0 +1,75 @@
+"""Everything the library reads from the environment, read in one place.
+
+torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` and, under its
+elastic agent, ``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_USE_AGENT_STORE``.
+Every field can be overridden by keyword, so tests and notebooks need no environment at all.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any, Mapping
+
+__all__ = ["DistEnv", "read_env"]
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class DistEnv:
+    """Where this process sits in the job."""
+
+    rank: int = 0
+    """Global rank of this process."""
+    world_size: int = 1
+    """Number of processes in the job."""
+    local_rank: int = 0
+    """Rank on this machine; picks the GPU under NCCL."""
+    master_addr: str = "127.0.0.1"
+    """Host of the rendezvous store."""
+    master_port: int = 29500
+    """Port of the rendezvous store."""
+    restart_count: int = 0
+    """How many times torchrun has restarted the worker group."""
+    run_id: str = "none"
+    """torchrun's run id; keys in a shared store are scoped by it."""
+    use_agent_store: bool = False
+    """True when torchrun's agent hosts the store and workers connect to it as clients."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if self.local_rank < 0:
+            raise ValueError(f"local_rank must be >= 0, got {self.local_rank}")
+
+
+_VARS = {
+    "rank": ("RANK", int),
+    "world_size": ("WORLD_SIZE", int),
+    "local_rank": ("LOCAL_RANK", int),
+    "master_addr": ("MASTER_ADDR", str),
+    "master_port": ("MASTER_PORT", int),
+    "restart_count": ("TORCHELASTIC_RESTART_COUNT", int),
+    "run_id": ("TORCHELASTIC_RUN_ID", str),
+    "use_agent_store": ("TORCHELASTIC_USE_AGENT_STORE", lambda v: v.strip().lower() in ("1", "true", "yes")),
+}
+
+
+def read_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> DistEnv:
+    """Build a :class:`DistEnv` from ``environ`` (default ``os.environ``), then apply ``overrides``."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for field_name, (var, conv) in _VARS.items():
+        raw = environ.get(var)
+        if raw is None or raw == "":
+            continue
+        try:
+            values[field_name] = conv(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {var}={raw!r} is not valid") from None
+    known = {f.name for f in fields(DistEnv)}
+    unknown = set(overrides) - known
+    if unknown:
+        raise TypeError(f"unknown DistEnv fields: {sorted(unknown)}")
+    return replace(DistEnv(**values), **overrides) if overrides else DistEnv(**values)

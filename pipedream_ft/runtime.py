@@ -1,0 +1,486 @@
+"""The pipeline runtime: each rank runs one stage of a plan, PipeDream-style.
+
+Semantics (mode ``"stash"``, PipeDream's default): minibatches flow through the stages in 1F1B order with no
+flush. Stage ``s`` of an ``S``-stage straight pipeline runs the forward and the backward of minibatch ``b``
+with its weights after ``max(0, b - (S - 1 - s))`` updates (weight stashing), and applies update ``b`` as soon
+as that backward is done. ``"vertical"`` makes every stage use the version stage 0 used for the minibatch
+(vertical sync). ``"flush"`` runs 1F1B over windows of ``flush_every`` minibatches, averages their gradients and
+takes one optimizer step per window: synchronous minibatch SGD.
+
+Replicated stages all-reduce their gradients among themselves before each update; minibatches are dealt to
+replicas round-robin.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.func import functional_call
+
+from partitioner.plan import Plan, PlanError
+
+from .comm import Header, Messenger, RecvHandle, ShapeMismatchError, TensorSpec
+from .distributed import default_device, init_distributed
+from .env import DistEnv
+from .errors import PipelineError, PipelineSetupError
+from .schedule import Action, flushing, one_f_one_b
+from .stage import StageModule, build_stage, model_layers
+from .versions import Version, VersionStore
+
+__all__ = ["MODES", "PipelineConfig", "RankStats", "TrainResult", "PipelineTrainer"]
+
+log = logging.getLogger(__name__)
+
+MODES = ("stash", "vertical", "flush")
+FLAG_FAILED = 1
+"""Header flag: the upstream stage failed its pre-flight check."""
+FLAG_CHECKPOINT = 2
+"""Header flag: every stage saves a checkpoint after this minibatch's update."""
+
+DataFn = Callable[[int], tuple[Any, Any]]
+"""``data(b) -> (inputs, targets)`` of minibatch ``b``; every rank must see the same stream."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelineConfig:
+    """How the pipeline trains."""
+
+    mode: str = "stash"
+    """``"stash"`` (asynchronous 1F1B with weight stashing), ``"vertical"`` (plus vertical sync) or ``"flush"``."""
+    flush_every: int = 4
+    """Minibatches per optimizer step in ``"flush"`` mode."""
+    timeout_s: float = 120.0
+    """Longest wait for a peer (a transfer, an all-reduce) before the rank fails naming it."""
+    seed: int = 0
+    """Seeds each forward's RNG from (seed, stage, minibatch), so dropout is reproducible across restarts."""
+    check_model_hash: bool = True
+    """Refuse a plan whose profile hash differs from the model's structure."""
+    backend: str | None = None
+    """``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.flush_every < 1:
+            raise ValueError(f"flush_every must be >= 1, got {self.flush_every}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass(slots=True)
+class RankStats:
+    """Where one rank's time went, and what it held."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    update_s: float = 0.0
+    wait_s: float = 0.0
+    """Time blocked waiting for activations or gradients."""
+    minibatches: int = 0
+    peak_stash_versions: int = 0
+    """Most weight versions alive at once (the current one included)."""
+    peak_stash_bytes: int = 0
+    """Bytes of those versions."""
+
+
+@dataclass(slots=True)
+class TrainResult:
+    """What :meth:`PipelineTrainer.train` returns on every rank."""
+
+    losses: list[float]
+    """Loss of each minibatch trained, in minibatch order."""
+    start: int
+    """First minibatch number of this call."""
+    seconds: float
+    stats: RankStats = field(default_factory=RankStats)
+
+
+@dataclass(slots=True)
+class _InFlight:
+    version: Version
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    loss: torch.Tensor | None
+    grad_recv: RecvHandle | None
+    header: Header
+
+
+class PipelineTrainer:
+    """Runs this rank's stage of ``plan``.
+
+    ``model`` is the whole model (an ``nn.Sequential`` or an fx-traceable module) or a zero-argument factory
+    for it; only this rank's layers are kept. ``optimizer_factory(params)`` builds the stage's optimizer.
+    The default process group is joined if it is not already (see :func:`init_distributed`).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Callable[[], nn.Module],
+        plan: Plan,
+        *,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        config: PipelineConfig | None = None,
+        env: DistEnv | None = None,
+    ) -> None:
+        self.config = config or PipelineConfig()
+        self.env = init_distributed(env, backend=self.config.backend, timeout_s=self.config.timeout_s)
+        self.backend = dist.get_backend()
+        self.device = default_device(self.env, self.backend)
+        self.plan = plan
+        if not isinstance(model, nn.Module):
+            model = model()
+        ml = model_layers(model)
+        model_hash = None
+        if self.config.check_model_hash:
+            from profiler.layers import structure_profile
+
+            model_hash = structure_profile(model).structure_hash()
+        plan.check_fits(profile_hash=model_hash, num_layers=len(ml.names), world_size=self.env.world_size)
+        self.replicas = [s.replicas for s in plan.stages]
+        if self.config.mode == "vertical" and len(set(self.replicas)) > 1:
+            raise PlanError(f"vertical sync needs one replica count on every stage, the plan has {self.replicas}")
+        my = plan.stage_of_rank(self.env.rank)
+        self.stage_index = my.index
+        self.replica = my.ranks.index(self.env.rank)
+        self.num_stages = plan.num_stages
+        self.is_first = self.stage_index == 0
+        self.is_last = self.stage_index == self.num_stages - 1
+        self.module: StageModule = build_stage(ml, plan, self.stage_index).to(self.device)
+        del ml, model
+        self.params = [p for p in self.module.parameters()]
+        self._param_names = [n for n, _ in self.module.named_parameters()]
+        self.optimizer = optimizer_factory(self.params)
+        self.loss_fn = loss_fn
+        self._replica_group = self._make_groups()
+        self.messenger = Messenger(self.device, self.config.timeout_s, self._make_link_groups())
+        self.versions = VersionStore(self.params, keep_history=self.config.mode == "vertical")
+        self.position = 0
+        """Minibatches trained so far (the data position)."""
+        self._inflight: dict[int, _InFlight] = {}
+        self._act_recv: dict[int, RecvHandle] = {}
+        self._losses: list[tuple[int, float]] = []
+        self._preflight_done = False
+        self.stats = RankStats()
+
+    # -- set-up ---------------------------------------------------------------------------------------------
+
+    def _make_groups(self) -> Any:
+        """Create every stage's replica group (a collective: all ranks create all groups, in one order)."""
+        mine = None
+        for stage in self.plan.stages:
+            if stage.replicas > 1:
+                g = dist.new_group(list(stage.ranks))
+                if stage.index == self.stage_index:
+                    mine = g
+        return mine
+
+    def _make_link_groups(self) -> dict[tuple[int, str], Any]:
+        """Under NCCL, one communicator per link and direction (a collective, like :meth:`_make_groups`).
+
+        NCCL matches point-to-point operations between two ranks by order alone; giving activations and
+        gradients their own communicators leaves each with a single stream of messages in minibatch order,
+        so receives can be posted ahead without the two directions blocking each other. Gloo matches by tag
+        and needs none.
+        """
+        links: dict[tuple[int, str], Any] = {}
+        if self.backend != "nccl":
+            return links
+        me = self.env.rank
+        for s in range(self.num_stages - 1):
+            up, down = self.plan.stages[s], self.plan.stages[s + 1]
+            g = math.gcd(up.replicas, down.replicas)
+            for i, a in enumerate(up.ranks):
+                for j, c in enumerate(down.ranks):
+                    if i % g != j % g:
+                        continue
+                    for direction in ("act", "grad"):
+                        group = dist.new_group([a, c])
+                        if me in (a, c):
+                            links[(c if me == a else a, direction)] = group
+        return links
+
+    def _peer(self, stage: int, minibatch: int) -> int:
+        s = self.plan.stages[stage]
+        return s.ranks[minibatch % s.replicas]
+
+    def _peers(self, stage: int) -> list[int]:
+        """Ranks of ``stage`` that exchange minibatches with this rank."""
+        here, there = self.replicas[self.stage_index], self.replicas[stage]
+        g = math.gcd(here, there)
+        return [r for i, r in enumerate(self.plan.stages[stage].ranks) if i % g == self.replica % g]
+
+    def _to_device(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(self.device, non_blocking=True)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._to_device(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._to_device(v) for k, v in value.items()}
+        return value
+
+    def _model_inputs(self, inputs: Any) -> list[Any]:
+        vals = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+        if len(vals) != len(self.module.input_names):
+            raise PipelineSetupError(
+                f"the model takes {len(self.module.input_names)} inputs {self.module.input_names}, but the data "
+                f"gives {len(vals)}"
+            )
+        return self._to_device(vals)
+
+    def preflight(self, data: DataFn) -> None:
+        """Push one minibatch forward through every stage (no gradients, eval mode) before training.
+
+        Every link learns its tensor shapes, and a stage that cannot take what the previous one sends — or a
+        mismatch between the data and the model — stops every rank with one message naming it. A collective.
+        """
+        error: str | None = None
+        failed_upstream = False
+        was_training = self.module.training
+        outs: list[torch.Tensor] = []
+        try:
+            self.module.eval()
+            if self.is_first:
+                inputs = self._model_inputs(data(self.position)[0])
+            else:
+                received = []
+                for peer in self._peers(self.stage_index - 1):
+                    header, tensors = self.messenger.post_activations(peer, -1).wait()
+                    assert header is not None
+                    if header.flags & FLAG_FAILED:
+                        failed_upstream = True
+                    received.append(tensors)
+                inputs = received[0] if received else []
+            if not failed_upstream:
+                with torch.no_grad():
+                    out = self.module(*inputs)
+                if self.is_last:
+                    loss = self.loss_fn(out, self._to_device(data(self.position)[1]))
+                    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+                        raise PipelineSetupError(f"loss_fn must return a scalar tensor, got {loss!r:.80}")
+                else:
+                    outs = list(out)
+                    bad = [n for n, t in zip(self.module.output_names, outs) if not isinstance(t, torch.Tensor)]
+                    if bad:
+                        raise PipelineSetupError(f"only tensors can cross stages; {bad} are not tensors")
+        except Exception as exc:  # any failure here is reported collectively below
+            what = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            shapes = ", ".join(str(TensorSpec.of(t)) for t in inputs if isinstance(t, torch.Tensor)) \
+                if "inputs" in locals() else "?"
+            error = (f"stage {self.stage_index} (rank {self.env.rank}, layers {_ranges(self.plan.stages[self.stage_index].layers)}) "
+                     f"cannot run on its input [{shapes}]: {what}")
+        finally:
+            self.module.train(was_training)
+        if not self.is_last:
+            flags = FLAG_FAILED if (error or failed_upstream) else 0
+            for peer in self._peers(self.stage_index + 1):
+                self.messenger.send_activations(peer, Header(-1, 0, flags), [] if flags else outs)
+            self.messenger.flush()
+        errors: list[str | None] = [None] * self.env.world_size
+        dist.all_gather_object(errors, error)
+        problems = [e for e in errors if e]
+        if problems:
+            raise PipelineSetupError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+        self._preflight_done = True
+
+    # -- the schedule ---------------------------------------------------------------------------------------
+
+    def schedule(self, start: int, stop: int) -> list[Action]:
+        if self.config.mode == "flush":
+            return flushing(self.stage_index, self.replica, self.replicas, start, stop, self.config.flush_every)
+        return one_f_one_b(self.stage_index, self.replica, self.replicas, start, stop)
+
+    def train(self, data: DataFn, steps: int) -> TrainResult:
+        """Train minibatches ``position .. position + steps - 1`` and drain the pipeline. A collective.
+
+        ``steps`` counts minibatches (PipeDream's unit of work; in ``"flush"`` mode, ``flush_every`` of them
+        make one optimizer step) and must be a multiple of every stage's replica count.
+        """
+        lcm = math.lcm(*self.replicas)
+        if self.config.mode == "flush":
+            lcm = math.lcm(lcm, self.config.flush_every)
+        if steps < 0 or steps % lcm:
+            raise ValueError(f"steps must be a non-negative multiple of {lcm} for this plan and mode, got {steps}")
+        if not self._preflight_done:
+            self.preflight(data)
+        start, stop = self.position, self.position + steps
+        actions = self.schedule(start, stop)
+        forwards = [i for i, a in enumerate(actions) if a.kind == "F"]
+        t0 = time.perf_counter()
+        self._losses = []
+        nxt = 0  # first forward at or after the current action
+        for i, action in enumerate(actions):
+            # post the next receive before computing: this forward's and the next one's
+            while nxt < len(forwards) and forwards[nxt] < i:
+                nxt += 1
+            for j in forwards[nxt: nxt + (2 if action.kind == "F" else 1)]:
+                self._post_activation_recv(actions[j].index)
+            if action.kind == "F":
+                self._forward(action.index, data)
+            elif action.kind == "B":
+                self._backward(action.index)
+            else:
+                self._update(action.index)
+        self.messenger.flush()
+        self.position = stop
+        seconds = time.perf_counter() - t0
+        return TrainResult(self._gather_losses(), start, seconds, self.stats)
+
+    def _post_activation_recv(self, b: int) -> None:
+        if not self.is_first and b not in self._act_recv:
+            self._act_recv[b] = self.messenger.post_activations(self._peer(self.stage_index - 1, b), b)
+
+    # -- actions --------------------------------------------------------------------------------------------
+
+    def _forward(self, b: int, data: DataFn) -> None:
+        if self.is_first:
+            inputs = self._model_inputs(data(b)[0])
+            header = Header(b, self.versions.current.updates, 0)
+        else:
+            if b not in self._act_recv:
+                self._post_activation_recv(b)
+            handle = self._act_recv.pop(b)
+            header, inputs = handle.wait()  # type: ignore[assignment]
+            self.stats.wait_s += handle.wait_s
+            assert header is not None
+            inputs = [t.requires_grad_() if t.is_floating_point() else t for t in inputs]
+        t0 = time.perf_counter()
+        version = self.versions.get(header.tag) if self.config.mode == "vertical" else self.versions.current
+        if self.config.mode == "vertical":
+            self.versions.release_before(header.tag)
+        params = dict(zip(self._param_names, version.tensors))
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [],
+                                   device_type=self.device.type):
+            torch.manual_seed(_mix(self.config.seed, self.stage_index, b))
+            out = functional_call(self.module, params, tuple(inputs))
+        loss = None
+        outputs: list[torch.Tensor] = []
+        grad_recv = None
+        if self.is_last:
+            loss = self.loss_fn(out, self._to_device(data(b)[1]))
+            self._losses.append((b, float(loss.detach())))
+            if self.config.mode == "flush":
+                loss = loss / self.config.flush_every
+        else:
+            outputs = list(out)
+            for name, t in zip(self.module.output_names, outputs):
+                if not isinstance(t, torch.Tensor):
+                    raise ShapeMismatchError(f"only tensors can cross stages; {name} is {type(t).__name__}")
+            peer = self._peer(self.stage_index + 1, b)
+            self.messenger.send_activations(peer, header, outputs)
+            specs = [TensorSpec.of(t) for t in outputs if t.is_floating_point()]
+            grad_recv = self.messenger.post_gradients(peer, b, specs)
+        self._inflight[b] = _InFlight(version, list(inputs), outputs, loss, grad_recv, header)
+        self.stats.forward_s += time.perf_counter() - t0
+        self._note_stash()
+
+    def _backward(self, b: int) -> None:
+        rec = self._inflight.pop(b)
+        if self.is_last:
+            assert rec.loss is not None
+            roots, grads = [rec.loss], [None]
+        else:
+            assert rec.grad_recv is not None
+            _, received = rec.grad_recv.wait()
+            self.stats.wait_s += rec.grad_recv.wait_s
+            floats = [t for t in rec.outputs if t.is_floating_point()]
+            pairs = [(o, g) for o, g in zip(floats, received) if o.requires_grad]
+            roots, grads = [p[0] for p in pairs], [p[1] for p in pairs]
+        t0 = time.perf_counter()
+        wrt_params = [t for t in rec.version.tensors if t.requires_grad]
+        wrt_inputs = [t for t in rec.inputs if t.is_floating_point() and t.requires_grad] if not self.is_first else []
+        wrt = wrt_params + wrt_inputs
+        if roots and wrt:
+            got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
+        else:
+            got = (None,) * len(wrt)
+        live = [p for p in self.params if p.requires_grad]
+        for p, g in zip(live, got[: len(wrt_params)]):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g.detach().clone() if self.config.mode == "flush" else g.detach()
+            else:
+                p.grad.add_(g)
+        if not self.is_first:
+            in_grads = [g if g is not None else torch.zeros_like(t) for t, g in zip(wrt_inputs, got[len(wrt_params):])]
+            self.messenger.send_gradients(self._peer(self.stage_index - 1, b), b, in_grads)
+        self.stats.backward_s += time.perf_counter() - t0
+        self.stats.minibatches += 1
+
+    def _update(self, round_: int) -> None:
+        t0 = time.perf_counter()
+        live = [p for p in self.params if p.requires_grad]
+        if self._replica_group is not None and live:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in live]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            work = dist.all_reduce(flat, group=self._replica_group, async_op=True)
+            self.messenger._wait(work, f"gradient all-reduce of update {round_}", self.plan.stages[self.stage_index].ranks[0])
+            if self.config.mode != "flush":
+                flat /= self.replicas[self.stage_index]
+            offset = 0
+            for p in live:
+                n = p.numel()
+                p.grad = flat[offset: offset + n].view_as(p).clone()
+                offset += n
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.versions.publish()
+        self.stats.update_s += time.perf_counter() - t0
+
+    def _note_stash(self) -> None:
+        alive = {id(r.version): r.version for r in self._inflight.values()}
+        alive[id(self.versions.current)] = self.versions.current
+        n = len(alive)
+        if n > self.stats.peak_stash_versions:
+            self.stats.peak_stash_versions = n
+            self.stats.peak_stash_bytes = sum(v.nbytes for v in alive.values())
+
+    # -- results --------------------------------------------------------------------------------------------
+
+    def _gather_losses(self) -> list[float]:
+        gathered: list[list[tuple[int, float]] | None] = [None] * self.env.world_size
+        dist.all_gather_object(gathered, self._losses if self.is_last else [])
+        merged = sorted(x for part in gathered if part for x in part)
+        return [loss for _, loss in merged]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights (original keys), gathered from the stages onto every rank. A collective."""
+        mine = {k: v.detach().cpu() for k, v in self.module.state_dict().items()} if self.replica == 0 else {}
+        gathered: list[dict[str, torch.Tensor] | None] = [None] * self.env.world_size
+        dist.all_gather_object(gathered, mine)
+        out: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            out.update(part or {})
+        return out
+
+    def save_model(self, path: str) -> None:
+        """Gather the whole model's weights and save them (rank 0 writes) with ``torch.save``. A collective."""
+        state = self.full_state_dict()
+        if self.env.rank == 0:
+            torch.save(state, path)
+        dist.barrier()
+
+
+def _mix(seed: int, stage: int, minibatch: int) -> int:
+    x = (seed * 1_000_003 + stage) * 1_000_000_007 + minibatch
+    return x % (2**63 - 1)
+
+
+def _ranges(idx: Sequence[int]) -> str:
+    out: list[str] = []
+    for i in sorted(idx):
+        if out and out[-1].endswith(f"-{i - 1}"):
+            out[-1] = out[-1].rsplit("-", 1)[0] + f"-{i}"
+        elif out and out[-1] == str(i - 1):
+            out[-1] = f"{i - 1}-{i}"
+        else:
+            out.append(str(i))
+    return ",".join(out)

@@ -1,0 +1,99 @@
+"""Run a function on N real processes joined by torch.distributed (gloo on loopback)."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+__all__ = ["free_port", "run_world", "WorldError"]
+
+
+class WorldError(AssertionError):
+    """Some rank failed or the world timed out; carries every rank's outcome."""
+
+    def __init__(self, message: str, outcomes: dict[int, tuple[bool, Any]]) -> None:
+        super().__init__(message)
+        self.outcomes = outcomes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, args: tuple, env: dict) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"})
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        result = fn(*args)
+        buf = io.BytesIO()
+        torch.save(result, buf)  # tensors through a Queue would need the sender alive
+        q.put((rank, True, buf.getvalue()))
+    except BaseException as exc:  # report everything, including SystemExit
+        q.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_world(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0, env: dict | None = None,
+              expect_failure: bool = False) -> dict[int, tuple[bool, Any]]:
+    """Run ``fn(*args)`` on ``world`` spawned ranks; return ``{rank: (ok, result or (type, msg, tb))}``.
+
+    Raises :class:`WorldError` if a rank fails (unless ``expect_failure``) or the world outlives ``timeout``
+    (then every process is killed).
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, q, args, env or {}), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, tuple[bool, Any]] = {}
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcomes) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorldError(f"world of {world} timed out after {timeout}s; finished: {sorted(outcomes)}", outcomes)
+            try:
+                rank, ok, payload = q.get(timeout=min(left, 1.0))
+                if ok:
+                    import torch
+
+                    payload = torch.load(io.BytesIO(payload), weights_only=False)
+                outcomes[rank] = (ok, payload)
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode is not None and i not in outcomes]
+                if dead and all(p.exitcode is not None for p in procs):
+                    for i in dead:
+                        outcomes[i] = (False, ("Exit", f"exit code {procs[i].exitcode}", ""))
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    failed = {r: o for r, o in outcomes.items() if not o[0]}
+    if failed and not expect_failure:
+        first = min(failed)
+        raise WorldError(f"rank {first} failed:\n{failed[first][1][2]}", outcomes)
+    return outcomes

@@ -1,0 +1,97 @@
+"""Single-process references for the pipeline runtime's semantics.
+
+``weight_stashing_reference``: PipeDream's asynchronous semantics for an S-stage straight pipeline — the
+forward and backward of minibatch b on stage s use that stage's weights after
+``version(b, s)`` updates (``max(0, b - (S - 1 - s))`` for weight stashing, ``max(0, b - (S - 1))`` on every
+stage for vertical sync), and stage s's update b applies that gradient to its latest weights.
+
+``minibatch_sgd_reference``: plain synchronous SGD of the whole model over windows of K minibatches.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from partitioner.plan import Plan
+from pipedream_ft.runtime import _mix
+from pipedream_ft.stage import build_stage, model_layers
+
+
+def weight_stashing_reference(
+    model: nn.Module,
+    plan: Plan,
+    data: Callable[[int], tuple[Any, Any]],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    steps: int,
+    *,
+    vertical: bool = False,
+    seed: int = 0,
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Final weights (original keys) and per-minibatch losses of PipeDream's semantics."""
+    S = plan.num_stages
+    ml = model_layers(model)
+    stages = [build_stage(ml, plan, s) for s in range(S)]
+    names = [[n for n, _ in st.named_parameters()] for st in stages]
+    live = [list(st.parameters()) for st in stages]
+    opts = [optimizer_factory(p) for p in live]
+    versions: list[list[list[torch.Tensor]]] = [[[p.detach().clone() for p in lv]] for lv in live]
+    losses = []
+    for b in range(steps):
+        x: Any = data(b)[0]
+        xs = list(x) if isinstance(x, (list, tuple)) else [x]
+        used = []
+        for s, st in enumerate(stages):
+            v = max(0, b - (S - 1)) if vertical else max(0, b - (S - 1 - s))
+            params = [t.clone().requires_grad_(True) for t in versions[s][v]]
+            used.append(params)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(_mix(seed, s, b))
+                out = functional_call(st, dict(zip(names[s], params)), tuple(xs))
+            xs = list(out) if s < S - 1 else [out]
+        loss = loss_fn(xs[0], data(b)[1])
+        losses.append(float(loss.detach()))
+        flat = [t for ps in used for t in ps]
+        grads = torch.autograd.grad(loss, flat, allow_unused=True)
+        k = 0
+        for s in range(S):
+            for p in live[s]:
+                g = grads[k]
+                k += 1
+                p.grad = None if g is None else g.detach()
+            opts[s].step()
+            opts[s].zero_grad(set_to_none=True)
+            versions[s].append([p.detach().clone() for p in live[s]])
+    state: dict[str, torch.Tensor] = {}
+    for st in stages:
+        state.update({k: v.detach().clone() for k, v in st.state_dict().items()})
+    return state, losses
+
+
+def minibatch_sgd_reference(
+    model: nn.Module,
+    data: Callable[[int], tuple[Any, Any]],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    steps: int,
+    window: int,
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Plain training: one step per ``window`` minibatches, on the mean of their losses."""
+    opt = optimizer_factory(list(model.parameters()))
+    losses = []
+    for w in range(steps // window):
+        total = None
+        for b in range(w * window, (w + 1) * window):
+            x, y = data(b)
+            loss = loss_fn(model(x), y)
+            losses.append(float(loss.detach()))
+            total = loss / window if total is None else total + loss / window
+        assert total is not None
+        total.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
