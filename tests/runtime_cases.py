@@ -72,3 +72,66 @@ def train_case(model_name: str, stage_layers: list[list[int]], replicas: list[in
     result = trainer.train(data, steps)
     return {"state": trainer.full_state_dict(), "losses": result.losses, "stats": result.stats,
             "stage": trainer.stage_index}
+
+
+def plain_training(steps: int) -> dict[str, Any]:
+    """Reference for a one-stage pipeline: ordinary PyTorch training of the same model."""
+    model = mlp()
+    opt = sgd(list(model.parameters()))
+    losses = []
+    for b in range(steps):
+        x, y = data(b)
+        loss = nn.functional.cross_entropy(model(x), y)
+        losses.append(float(loss.detach()))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses}
+
+
+def repeating_data(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return data(b % 4)
+
+
+def replicated_case(steps: int) -> list[float]:
+    from pipedream_ft.runtime import PipelineConfig, PipelineTrainer
+
+    model = mlp()
+    plan = plan_for(model, [[0, 1, 2, 3], [4, 5, 6], [7, 8]], [2, 1, 1])
+    trainer = PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=adam,
+                              config=PipelineConfig(timeout_s=60))
+    return trainer.train(repeating_data, steps).losses
+
+
+def bad_input_case(kind: str) -> None:
+    from pipedream_ft.runtime import PipelineConfig, PipelineTrainer
+
+    model: nn.Module = mlp()
+    plan = plan_for(model, [[0, 1, 2, 3], [4, 5, 6], [7, 8]])
+    if kind == "world":
+        plan = plan_for(model, [[0, 1, 2, 3], [4, 5, 6, 7, 8]])
+    elif kind == "model":
+        model = nn.Sequential(*list(mlp())[:-1], nn.Linear(24, 7))
+    elif kind == "shapes":
+        model = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(30, 5))
+        plan = plan_for(model, [[0, 1], [2, 3], [4]])
+    trainer = PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=sgd,
+                              config=PipelineConfig(timeout_s=30))
+    trainer.train(data, 6)
+
+
+def stuck_peer_case(stuck_rank: int) -> None:
+    import os
+    import time
+
+    from pipedream_ft.runtime import PipelineConfig, PipelineTrainer
+
+    model = mlp()
+    plan = plan_for(model, [[0, 1, 2, 3], [4, 5, 6], [7, 8]])
+    trainer = PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=sgd,
+                              config=PipelineConfig(timeout_s=4))
+    trainer.preflight(data)
+    if int(os.environ["RANK"]) == stuck_rank:
+        time.sleep(15)
+        raise SystemExit(0)
+    trainer.train(data, 12)

@@ -1,0 +1,83 @@
+import itertools
+import math
+
+import pytest
+
+from pipedream_ft.schedule import (Action, ScheduleError, flushing, in_flight, one_f_one_b, render,
+                                   replica_minibatches, simulate)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def grid(replicas, n, window=None):
+    def sched(s, r):
+        return flushing(s, r, replicas, 0, n, window) if window else one_f_one_b(s, r, replicas, 0, n)
+    return simulate([[sched(s, r) for r in range(replicas[s])] for s in range(len(replicas))], replicas)
+
+
+def test_straight_1f1b_table():
+    # 4 stages, 8 minibatches: warm-up of S - s forwards, then one backward (and its update), one forward.
+    assert [str(a) for a in one_f_one_b(0, 0, [1, 1, 1, 1], 0, 8)] == (
+        "F0 F1 F2 F3 B0 U0 F4 B1 U1 F5 B2 U2 F6 B3 U3 F7 B4 U4 B5 U5 B6 U6 B7 U7".split())
+    assert [str(a) for a in one_f_one_b(3, 0, [1, 1, 1, 1], 0, 4)] == "F0 B0 U0 F1 B1 U1 F2 B2 U2 F3 B3 U3".split()
+    assert render(grid([1, 1, 1, 1], 8)).splitlines()[3] == (
+        "rank 3:  .  .  . F0 B0 U0 F1 B1 U1 F2 B2 U2 F3 B3 U3 F4 B4 U4 F5 B5 U5 F6 B6 U6 F7 B7 U7  .  .  .")
+
+
+def test_no_flush_in_steady_state():
+    # between the first and the last backward of stage 0 the pipeline never drains: stage 3 is busy every tick
+    g = grid([1, 1, 1, 1], 16)
+    busy = [row[3] for row in g]
+    first, last = busy.index(Action("F", 0)), max(i for i, a in enumerate(busy) if a is not None)
+    assert all(a is not None for a in busy[first:last + 1])
+
+
+def test_in_flight_counts():
+    assert [in_flight(s, [1, 1, 1, 1]) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight(s, [2, 1, 1]) for s in range(3)] == [2, 2, 1]
+    assert [in_flight(s, [1, 3]) for s in range(2)] == [4, 1]
+
+
+def test_round_robin():
+    assert replica_minibatches(1, 3, 0, 10) == [1, 4, 7]
+    assert replica_minibatches(0, 2, 4, 10) == [4, 6, 8]
+    with pytest.raises(ValueError, match="replica must be in"):
+        replica_minibatches(3, 3, 0, 10)
+
+
+@pytest.mark.parametrize("replicas", [list(r) for n in range(1, 5) for r in itertools.product([1, 2, 3], repeat=n)])
+def test_every_schedule_completes(replicas):
+    lcm = math.lcm(*replicas)
+    for n in (lcm, 3 * lcm):
+        g = grid(replicas, n)
+        for rank_col in zip(*g):
+            done = [a for a in rank_col if a is not None]
+            fwd = [a.index for a in done if a.kind == "F"]
+            bwd = [a.index for a in done if a.kind == "B"]
+            assert sorted(fwd) == sorted(bwd)
+            for b in bwd:  # every forward before its backward
+                assert done.index(Action("F", b)) < done.index(Action("B", b))
+        g = grid(replicas, 2 * lcm, window=lcm)
+        assert g
+
+
+def test_flushing_window_and_updates():
+    acts = flushing(1, 0, [1, 1], 0, 8, 4)
+    assert [str(a) for a in acts] == "F0 B0 F1 B1 F2 B2 F3 B3 U0 F4 B4 F5 B5 F6 B6 F7 B7 U1".split()
+    with pytest.raises(ValueError, match="whole windows"):
+        flushing(0, 0, [1], 0, 6, 4)
+    with pytest.raises(ValueError, match="multiple of every stage's replica count"):
+        flushing(0, 0, [2, 3], 0, 12, 4)
+
+
+def test_bad_ranges_are_refused():
+    with pytest.raises(ValueError, match="multiple of 2"):
+        one_f_one_b(0, 0, [2, 1], 0, 5)
+    with pytest.raises(ValueError, match="replicas must be positive"):
+        one_f_one_b(0, 0, [0], 0, 4)
+
+
+def test_deadlock_is_reported():
+    bad = [[[Action("B", 0), Action("F", 0)]]]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(bad, [1])

@@ -1,0 +1,66 @@
+import pytest
+import torch
+from torch import nn
+
+from partitioner.plan import PlanError
+from pipedream_ft.stage import boundaries, build_stage, model_layers
+from runtime_cases import SkipNet, mlp, plan_for
+from examples.models import digits_resnet
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run_stages(model, plan, x):
+    vals = [x]
+    for s in range(plan.num_stages):
+        out = build_stage(model, plan, s)(*vals)
+        vals = list(out) if s < plan.num_stages - 1 else out
+    return vals
+
+
+def test_sequential_stages_compose_to_the_model():
+    m = mlp()
+    plan = plan_for(m, [[0, 1, 2], [3, 4], [5, 6, 7, 8]])
+    x = torch.randn(4, 12)
+    assert torch.equal(run_stages(m, plan, x), m(x))
+    st = build_stage(m, plan, 1)
+    assert sorted(st.state_dict()) == ["4.bias", "4.weight"]  # original keys, only its own layers
+
+
+def test_skip_connection_crosses_the_middle_stage():
+    m = SkipNet()
+    ml = model_layers(m)
+    names = ml.names
+    # stage 0: a, tanh; stage 1: b, tanh, c, tanh; stage 2: add, d
+    cut = [0 if i < 2 else 1 if i < 6 else 2 for i in range(len(names))]
+    plan = plan_for(m, [[i for i, c in enumerate(cut) if c == s] for s in range(3)])
+    crossing = boundaries(ml, plan.layer_to_stage, 3)
+    assert crossing[0] == ["x"]
+    assert len(crossing[1]) == 1 and len(crossing[2]) == 2  # h passes through stage 1
+    x = torch.randn(3, 12)
+    assert torch.equal(run_stages(m, plan, x), m(x))
+
+
+def test_fx_resnet_any_cut_composes():
+    m = digits_resnet()
+    n = len(model_layers(m).names)
+    x = torch.randn(2, 1, 8, 8)
+    for cuts in ([n // 3, 2 * n // 3], [1, n - 1], [n // 2]):
+        bounds = [0, *cuts, n]
+        plan = plan_for(m, [list(range(a, b)) for a, b in zip(bounds, bounds[1:])])
+        torch.testing.assert_close(run_stages(m, plan, x), m(x), rtol=0, atol=0)
+
+
+def test_plan_for_another_model_is_refused():
+    plan = plan_for(mlp(), [[0, 1, 2, 3], [4, 5, 6, 7, 8]])
+    other = nn.Sequential(nn.Linear(12, 5))
+    with pytest.raises(PlanError, match="another model"):
+        build_stage(other, plan, 0)
+
+
+def test_shared_parameter_across_stages_is_refused():
+    lin = nn.Linear(4, 4)
+    m = nn.Sequential(lin, nn.Tanh(), lin)
+    plan = plan_for(m, [[0, 1], [2]])
+    with pytest.raises(PlanError, match="shared by stages"):
+        build_stage(m, plan, 0)
