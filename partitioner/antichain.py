@@ -1,0 +1,215 @@
+"""Linearising a layer DAG into antichain states, the way PipeDream's optimizer does.
+
+A pipeline stage must be closed under "everything this stage needs was computed earlier": the layers of the
+first ``s`` stages form a *downset* (a set closed under predecessors). PipeDream describes each such cut by
+the *antichain* of its maximal layers and only considers the cuts it reaches from the source by this rule:
+
+* the **augmented** antichain of ``A`` is ``A`` plus every strict ancestor ``p`` of some ``a`` in ``A`` that
+  has an out-edge leaving ``ancestors(a) ∪ {a}`` (these are the layers whose outputs still have to cross the
+  cut: skip connections);
+* from an augmented antichain, for every member ``u`` and out-edge ``u -> v`` with ``v`` not in ``A`` and no
+  descendant of ``v`` in the augmented set, the **next** antichain is the augmented set with ``u`` replaced
+  by ``v``, minus every member that is an ancestor of another member.
+
+Each reached antichain is a :class:`AntichainStates` *state*. Per state we keep the totals over its downset
+(compute ``Σ (forward_ms + backward_ms) / 1000`` in seconds, parameter bytes, activation bytes) and its
+**output size** ``Σ activation_bytes`` over the augmented antichain: the bytes that cross a cut placed
+there. State ``k`` may precede state ``j`` in a pipeline iff ``downset(k) ⊊ downset(j)`` (which is what
+reachability in PipeDream's antichain DAG amounts to); the layers of a stage between them are
+``downset(j) \\ downset(k)``.
+
+Like PipeDream, source layers whose description starts with ``Input`` are taken out (their cost is not
+counted; they always belong to stage 0), and so are sink layers whose description starts with
+``__getitem__`` (they join the stage of their last predecessor). If several sources remain, the search
+starts from the antichain of all of them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from profiler.profile import Profile
+
+__all__ = ["AntichainStates", "linearize"]
+
+
+@dataclass(frozen=True)
+class AntichainStates:
+    """The antichain states of a profile, ordered so that a state's strict sub-downsets come before it."""
+
+    antichains: tuple[tuple[int, ...], ...]
+    """Each state's antichain, as profile layer indices (ascending)."""
+    downsets: tuple[tuple[int, ...], ...]
+    """Each state's downset (the layers up to and including the antichain), profile indices ascending."""
+    compute_s: np.ndarray
+    """Σ (forward_ms + backward_ms) / 1000 over each state's downset."""
+    parameter_bytes: np.ndarray
+    """Σ parameter_bytes over each state's downset."""
+    activation_bytes: np.ndarray
+    """Σ activation_bytes over each state's downset."""
+    output_bytes: np.ndarray
+    """Σ activation_bytes over each state's augmented antichain (bytes crossing a cut after this state)."""
+    precedes: np.ndarray
+    """Boolean matrix: ``precedes[k, j]`` iff ``downset(k) ⊊ downset(j)``."""
+    removed_inputs: tuple[int, ...]
+    """Profile indices of the ``Input`` sources taken out of the search (always stage 0)."""
+    removed_sinks: tuple[int, ...]
+    """Profile indices of the ``__getitem__`` sinks taken out (they follow their predecessors)."""
+
+    @property
+    def num_states(self) -> int:
+        return len(self.antichains)
+
+    def stage_layers(self, cuts: list[int], profile: Profile) -> list[list[int]]:
+        """Profile layers of each stage for a chain of state indices ``cuts`` (the last state of each stage).
+
+        Every profile layer lands in exactly one stage: removed inputs in the first, removed sinks in the
+        stage of their latest predecessor.
+        """
+        stages: list[list[int]] = []
+        prev: set[int] = set()
+        for c in cuts:
+            down = set(self.downsets[c])
+            stages.append(sorted(down - prev))
+            prev = down
+        if not stages:
+            stages = [[]]
+        owner = {layer: s for s, layers in enumerate(stages) for layer in layers}
+        for layer in self.removed_inputs:
+            stages[0].append(layer)
+            owner[layer] = 0
+        preds = profile.predecessors()
+        for layer in sorted(self.removed_sinks):
+            s = max((owner[p] for p in preds[layer] if p in owner), default=len(stages) - 1)
+            stages[s].append(layer)
+            owner[layer] = s
+        for layer in range(len(profile.layers)):  # layers outside every downset (should not happen)
+            if layer not in owner:
+                stages[-1].append(layer)
+        return [sorted(s) for s in stages]
+
+
+def _bits(mask: int) -> list[int]:
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
+def linearize(profile: Profile) -> AntichainStates:
+    """Enumerate PipeDream's antichain states of ``profile`` (see the module docstring)."""
+    layers = profile.layers
+    n = len(layers)
+    preds = profile.predecessors()
+    succs = profile.successors()
+    removed_inputs = [i for i in range(n) if not preds[i] and layers[i].description.startswith("Input")]
+    gone = set(removed_inputs)
+    live_succ = [[v for v in succs[i] if v not in gone] for i in range(n)]
+    removed_sinks = [
+        i for i in range(n) if i not in gone and not live_succ[i] and layers[i].description.startswith("__getitem__")
+    ]
+    gone.update(removed_sinks)
+    live = [i for i in range(n) if i not in gone]
+    if not live:
+        empty = np.zeros(0)
+        return AntichainStates((), (), empty, empty, empty, empty, np.zeros((0, 0), bool),
+                               tuple(removed_inputs), tuple(removed_sinks))
+    out = [[v for v in succs[i] if v not in gone] for i in range(n)]
+    inn = [[u for u in preds[i] if u not in gone] for i in range(n)]
+
+    anc = [0] * n  # strict ancestors as bitmasks over profile indices
+    for v in live:  # profile order is topological
+        m = 0
+        for u in inn[v]:
+            m |= anc[u] | (1 << u)
+        anc[v] = m
+    desc = [0] * n
+    for v in reversed(live):
+        m = 0
+        for w in out[v]:
+            m |= desc[w] | (1 << w)
+        desc[v] = m
+    out_mask = [sum(1 << w for w in out[v]) for v in range(n)]
+    branchy = [v for v in live if len(out[v]) > 1]  # only these can be "extra" members
+
+    extra_cache: dict[int, int] = {}
+
+    def extra(a: int) -> int:
+        if a not in extra_cache:
+            inside = anc[a] | (1 << a)
+            m = 0
+            for p in branchy:
+                if (anc[a] >> p) & 1 and out_mask[p] & ~inside:
+                    m |= 1 << p
+            extra_cache[a] = m
+        return extra_cache[a]
+
+    def augmented(antichain: tuple[int, ...]) -> int:
+        m = 0
+        for a in antichain:
+            m |= extra(a) | (1 << a)
+        return m
+
+    def deaugment(mask: int) -> tuple[int, ...]:
+        return tuple(x for x in _bits(mask) if not desc[x] & mask)
+
+    start = tuple(v for v in live if not inn[v])
+    seen = {start: augmented(start)}
+    queue = deque([start])
+    while queue:
+        antichain = queue.popleft()
+        aug = seen[antichain]
+        members = set(antichain)
+        for u in _bits(aug):
+            for v in out[u]:
+                if v in members or desc[v] & aug:
+                    continue
+                nxt = deaugment((aug & ~(1 << u)) | (1 << v))
+                if nxt not in seen:
+                    seen[nxt] = augmented(nxt)
+                    queue.append(nxt)
+
+    fwd = np.array([(l.forward_ms + l.backward_ms) / 1000.0 for l in layers])
+    par = np.array([float(l.parameter_bytes) for l in layers])
+    act = np.array([float(l.activation_bytes) for l in layers])
+    records = []
+    for antichain, aug in seen.items():
+        down = 0
+        for a in antichain:
+            down |= anc[a] | (1 << a)
+        idx = _bits(down)
+        records.append((len(idx), antichain, down, idx, _bits(aug)))
+    records.sort(key=lambda r: (r[0], r[1]))
+    s = len(records)
+    member = np.zeros((s, n), dtype=np.float32)
+    compute = np.empty(s)
+    params = np.empty(s)
+    acts = np.empty(s)
+    outs = np.empty(s)
+    for i, (_, _, _, idx, aug_idx) in enumerate(records):
+        member[i, idx] = 1.0
+        # summed in ascending layer order, so equal downsets give bit-identical totals
+        compute[i] = float(sum(fwd[idx].tolist()))
+        params[i] = float(sum(par[idx].tolist()))
+        acts[i] = float(sum(act[idx].tolist()))
+        outs[i] = float(sum(act[aug_idx].tolist()))
+    sizes = member.sum(axis=1)
+    # downset(k) ⊆ downset(j)  iff  |downset(k) \ downset(j)| == 0
+    outside = member @ (1.0 - member).T
+    precedes = (outside == 0) & (sizes[:, None] < sizes[None, :])
+    return AntichainStates(
+        antichains=tuple(r[1] for r in records),
+        downsets=tuple(tuple(r[3]) for r in records),
+        compute_s=compute,
+        parameter_bytes=params,
+        activation_bytes=acts,
+        output_bytes=outs,
+        precedes=precedes,
+        removed_inputs=tuple(removed_inputs),
+        removed_sinks=tuple(removed_sinks),
+    )

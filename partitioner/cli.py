@@ -1,0 +1,146 @@
+"""``pipedream-partition``: plan a profiled model for a (hierarchical) machine.
+
+Usage::
+
+    pipedream-partition PROFILE --workers N [--workers N ...] --bandwidth B [--bandwidth B ...]
+                        [--straight] [--memory BYTES] -o plan.json
+
+Repeated ``--workers``/``--bandwidth`` give the levels of the machine innermost first (like PipeDream's
+``-n``/``-b``). Errors print one line ``pipedream-partition: error: ...`` and exit with status 2; the output
+file is then left untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+from profiler.profile import ProfileError, load_profile
+
+from .optimizer import partition
+from .plan import Plan, PlanError
+
+__all__ = ["main", "format_plan", "layer_ranges"]
+
+PROG = "pipedream-partition"
+
+
+def _bandwidth(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bandwidth must be a number of bytes/s, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"bandwidth must be positive and finite, got {text!r}")
+    return value
+
+
+def _workers(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"workers must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"workers must be at least 1, got {text!r}")
+    return value
+
+
+def _memory(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"memory must be a number of bytes, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"memory must be positive and finite, got {text!r}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, status 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog=PROG, description="Split a profiled model into PipeDream pipeline stages.")
+    ap.add_argument("profile", help="profile: pipedream-ft JSON or PipeDream graph.txt")
+    ap.add_argument("--workers", "-n", action="append", type=_workers, required=True,
+                    help="workers at one level (repeat for levels, innermost first)")
+    ap.add_argument("--bandwidth", "-b", action="append", type=_bandwidth, required=True,
+                    help="bandwidth of one level in bytes/s, e.g. 1e9 (repeat like --workers)")
+    ap.add_argument("--straight", action="store_true", help="no replication: one worker per stage")
+    ap.add_argument("--memory", type=_memory, default=None, help="memory per worker in bytes")
+    ap.add_argument("-o", "--output", required=True, help="where to write the plan JSON")
+    return ap
+
+
+def layer_ranges(layers: tuple[int, ...] | list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"``."""
+    out = []
+    items = sorted(layers)
+    i = 0
+    while i < len(items):
+        j = i
+        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
+            j += 1
+        out.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def format_plan(plan: Plan) -> str:
+    """A readable table of the plan's stages and its predicted times."""
+    rows = [("stage", "layers", "replicas", "ranks", "time ms")]
+    for s in plan.stages:
+        rows.append((str(s.index), layer_ranges(s.layers), str(s.replicas), layer_ranges(s.ranks),
+                     f"{s.time_s * 1e3:.3f}"))
+    widths = [max(len(r[c]) for r in rows) for c in range(5)]
+    lines = ["  ".join(v.rjust(w) if c != 1 else v.ljust(w) for c, (v, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.append(f"predicted time per minibatch: {plan.time_per_minibatch_s * 1e3:.3f} ms")
+    lines.append(f"data parallel time per minibatch: {plan.data_parallel_time_s * 1e3:.3f} ms")
+    lines.append(f"speedup over data parallelism: {plan.speedup_over_data_parallel:.3f}x")
+    return "\n".join(lines)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0, or 2 on any error)."""
+    ap = _parser()
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    if len(args.workers) != len(args.bandwidth):
+        print(f"{PROG}: error: {len(args.workers)} --workers levels but {len(args.bandwidth)} --bandwidth levels; "
+              "give one bandwidth per level", file=sys.stderr)
+        return 2
+    out = Path(args.output)
+    try:
+        profile = load_profile(args.profile)
+        plan = partition(profile, args.workers, args.bandwidth, straight=args.straight, memory_bytes=args.memory)
+        _write_atomic(out, plan.dumps())
+    except (ProfileError, PlanError) as exc:
+        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"{PROG}: error: {out}: cannot write plan: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(format_plan(plan))
+    print(f"plan written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
