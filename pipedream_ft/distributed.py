@@ -16,9 +16,20 @@ import torch.distributed as dist
 
 from .env import DistEnv, read_env
 
-__all__ = ["init_distributed", "default_device", "shutdown"]
+__all__ = ["init_distributed", "default_device", "shutdown", "job_store"]
 
 log = logging.getLogger(__name__)
+
+_JOB_STORE: dist.Store | None = None
+
+
+def job_store() -> dist.Store | None:
+    """A store shared by every attempt of this job (scoped by run id, not by restart), once joined.
+
+    Under torchrun it lives in the elastic agent and outlives restarts of the worker group, so a restarted
+    attempt can read what the failed one recorded (for instance how far it had trained).
+    """
+    return _JOB_STORE
 
 
 def default_device(env: DistEnv, backend: str) -> torch.device:
@@ -51,6 +62,8 @@ def init_distributed(env: DistEnv | None = None, *, backend: str | None = None, 
     is_host = env.rank == 0 and not env.use_agent_store
     base = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=is_host, timeout=timeout,
                          wait_for_workers=False)
+    global _JOB_STORE
+    _JOB_STORE = dist.PrefixStore(f"pipedream_ft/{env.run_id}/job/", base)
     store = dist.PrefixStore(f"pipedream_ft/{env.run_id}/attempt{env.restart_count}/", base)
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     log.info("rank %d/%d joined (%s, restart %d)", env.rank, env.world_size, backend, env.restart_count)

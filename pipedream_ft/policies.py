@@ -35,6 +35,9 @@ __all__ = [
 ]
 
 
+_MAX_INTERVAL_STEPS = 2**53
+"""Interval used when the budget is unreachable (zero step time): effectively never."""
+
 # ------------------------------------------------------------------------------------------ validation
 
 
@@ -246,7 +249,9 @@ class YoungDaly(CheckpointPolicy):
         if isinstance(max_interval_s, bool) or not isinstance(max_interval_s, (int, float)) or not (
             max_interval_s > 0 and max_interval_s >= min_interval_s
         ):
-            raise ValueError(f"max_interval_s must be > 0 and >= min_interval_s ({min_interval_s}), got {max_interval_s!r}")
+            raise ValueError(
+                f"max_interval_s must be > 0 and >= min_interval_s ({min_interval_s}), got {max_interval_s!r}"
+            )
         self.min_interval_s = float(min_interval_s)
         self.max_interval_s = float(max_interval_s)
         self._cost = _Ema(ema_alpha)
@@ -357,11 +362,11 @@ class OverheadBudget(CheckpointPolicy):
         cost, step_time = self._cost.value, self._step_time.value
         if cost is None or step_time is None:
             n = self.initial_interval_steps
-        elif step_time <= 0:
-            n = self.max_interval_steps or self.initial_interval_steps
         else:
+            budget = self.max_fraction * step_time
+            ratio = cost / budget if budget > 0 else (0.0 if cost == 0 else math.inf)
             # Small epsilon so that float noise (e.g. 0.1/(0.01*0.1) = 100.00000000000001) does not add a step.
-            n = math.ceil(cost / (self.max_fraction * step_time) - 1e-9)
+            n = math.ceil(ratio - 1e-9) if ratio < _MAX_INTERVAL_STEPS else _MAX_INTERVAL_STEPS
         n = max(n, self.min_interval_steps)
         if self.max_interval_steps is not None:
             n = min(n, self.max_interval_steps)
@@ -480,9 +485,9 @@ class PreemptionHandler:
         self._signum: int | None = None
 
     def install(self) -> PreemptionHandler:
-        """Install the handler (main thread only); returns ``self``."""
+        """Install the handler; returns ``self``. ``ValueError`` outside the main thread (like ``signal.signal``)."""
         if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError(
+            raise ValueError(  # the same type signal.signal() raises outside the main thread
                 f"PreemptionHandler.install() must be called from the main thread, "
                 f"not {threading.current_thread().name!r}"
             )

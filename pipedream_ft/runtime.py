@@ -30,9 +30,13 @@ from .comm import Header, Messenger, RecvHandle, ShapeMismatchError, TensorSpec
 from .distributed import default_device, init_distributed
 from .env import DistEnv
 from .errors import PipelineError, PipelineSetupError
-from .schedule import Action, flushing, one_f_one_b
+from .schedule import Action, flushing, in_flight, one_f_one_b
 from .stage import StageModule, build_stage, model_layers
 from .versions import Version, VersionStore
+from .checkpointing import CheckpointConfig, Checkpointer
+from .distributed import job_store
+from .faults import FaultInjector
+from .watchdog import Watchdog
 
 __all__ = ["MODES", "PipelineConfig", "RankStats", "TrainResult", "PipelineTrainer"]
 
@@ -43,6 +47,8 @@ FLAG_FAILED = 1
 """Header flag: the upstream stage failed its pre-flight check."""
 FLAG_CHECKPOINT = 2
 """Header flag: every stage saves a checkpoint after this minibatch's update."""
+FLAG_STOP = 4
+"""Header flag: and then stops (a preemption)."""
 
 DataFn = Callable[[int], tuple[Any, Any]]
 """``data(b) -> (inputs, targets)`` of minibatch ``b``; every rank must see the same stream."""
@@ -56,8 +62,10 @@ class PipelineConfig:
     """``"stash"`` (asynchronous 1F1B with weight stashing), ``"vertical"`` (plus vertical sync) or ``"flush"``."""
     flush_every: int = 4
     """Minibatches per optimizer step in ``"flush"`` mode."""
-    timeout_s: float = 120.0
+    timeout_s: float = 45.0
     """Longest wait for a peer (a transfer, an all-reduce) before the rank fails naming it."""
+    watchdog_s: float | None = 60.0
+    """Fail the rank if it makes no progress at all for this long (``None``: no watchdog)."""
     seed: int = 0
     """Seeds each forward's RNG from (seed, stage, minibatch), so dropout is reproducible across restarts."""
     check_model_hash: bool = True
@@ -129,6 +137,8 @@ class PipelineTrainer:
         optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
         config: PipelineConfig | None = None,
         env: DistEnv | None = None,
+        checkpoint: CheckpointConfig | None = None,
+        extra_state: dict[str, Any] | None = None,
     ) -> None:
         self.config = config or PipelineConfig()
         self.env = init_distributed(env, backend=self.config.backend, timeout_s=self.config.timeout_s)
@@ -161,7 +171,7 @@ class PipelineTrainer:
         self.loss_fn = loss_fn
         self._replica_group = self._make_groups()
         self.messenger = Messenger(self.device, self.config.timeout_s, self._make_link_groups())
-        self.versions = VersionStore(self.params, keep_history=self.config.mode == "vertical")
+        self.versions = VersionStore(self.params, keep=self._versions_kept())
         self.position = 0
         """Minibatches trained so far (the data position)."""
         self._inflight: dict[int, _InFlight] = {}
@@ -169,8 +179,34 @@ class PipelineTrainer:
         self._losses: list[tuple[int, float]] = []
         self._preflight_done = False
         self.stats = RankStats()
+        self._cut: tuple[int, bool] | None = None
+        """A checkpoint cut announced to this rank, and whether to stop after it."""
+        self.extra_state = dict(extra_state or {})
+        self.store = job_store()
+        self.faults = FaultInjector.from_env(rank=self.env.rank, attempt=self.env.restart_count)
+        self.watchdog = Watchdog(self.config.watchdog_s, rank=self.env.rank) if self.config.watchdog_s else None
+        self._last_progress = 0.0
+        self.ckpt = Checkpointer(self, checkpoint, self.faults) if checkpoint is not None else None
+        self.resumed_from = self.ckpt.resume() if self.ckpt is not None else None
+        if self.resumed_from is not None:
+            self._log_resume()
 
     # -- set-up ---------------------------------------------------------------------------------------------
+
+    def _versions_kept(self) -> int:
+        if self.config.mode == "flush":
+            return 0
+        stage = 0 if self.config.mode == "vertical" else self.stage_index
+        return in_flight(stage, self.replicas) - 1
+
+    def _version_for(self, b: int, header: Header) -> Version:
+        """The weights minibatch ``b``'s forward uses here (see the module docstring)."""
+        if self.config.mode == "flush":
+            return self.versions.current
+        if self.config.mode == "vertical" and not self.is_first:
+            return self.versions.get(header.tag)
+        round_ = b // self.replicas[self.stage_index]
+        return self.versions.get(max(0, round_ - (in_flight(self.stage_index, self.replicas) - 1)))
 
     def _make_groups(self) -> Any:
         """Create every stage's replica group (a collective: all ranks create all groups, in one order)."""
@@ -315,23 +351,51 @@ class PipelineTrainer:
         forwards = [i for i, a in enumerate(actions) if a.kind == "F"]
         t0 = time.perf_counter()
         self._losses = []
-        nxt = 0  # first forward at or after the current action
-        for i, action in enumerate(actions):
-            # post the next receive before computing: this forward's and the next one's
-            while nxt < len(forwards) and forwards[nxt] < i:
-                nxt += 1
-            for j in forwards[nxt: nxt + (2 if action.kind == "F" else 1)]:
-                self._post_activation_recv(actions[j].index)
-            if action.kind == "F":
-                self._forward(action.index, data)
-            elif action.kind == "B":
-                self._backward(action.index)
-            else:
-                self._update(action.index)
-        self.messenger.flush()
+        if self.watchdog is not None:
+            self.watchdog.arm()
+        try:
+            nxt = 0  # first forward at or after the current action
+            for i, action in enumerate(actions):
+                # post the next receive before computing: this forward's and the next one's
+                while nxt < len(forwards) and forwards[nxt] < i:
+                    nxt += 1
+                for j in forwards[nxt: nxt + (2 if action.kind == "F" else 1)]:
+                    self._post_activation_recv(actions[j].index)
+                if self.watchdog is not None:
+                    self.watchdog.beat(f"running {action} on stage {self.stage_index}")
+                if action.kind == "F":
+                    self._forward(action.index, data)
+                elif action.kind == "B":
+                    self._backward(action.index)
+                else:
+                    self._update(action.index)
+                if self.ckpt is not None:
+                    self.ckpt.announce_preemption()
+            if self.watchdog is not None:
+                self.watchdog.beat("waiting for the last sends")
+            self.messenger.flush()
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.disarm()
         self.position = stop
+        self._record_progress(stop, force=True)
         seconds = time.perf_counter() - t0
         return TrainResult(self._gather_losses(), start, seconds, self.stats)
+
+    def fit(self, data: DataFn, total: int) -> TrainResult:
+        """Train until ``total`` minibatches are done in all, continuing from a resumed checkpoint's position;
+        then wait for pending checkpoints to commit. A collective."""
+        result = self.train(data, max(0, total - self.position))
+        if self.ckpt is not None:
+            self.ckpt.writer.flush(timeout=self.ckpt.config.commit_timeout_s)
+        return result
+
+    def close(self) -> None:
+        """Stop the watchdog and the checkpoint writer (waiting for pending commits)."""
+        if self.watchdog is not None:
+            self.watchdog.close()
+        if self.ckpt is not None:
+            self.ckpt.close()
 
     def _post_activation_recv(self, b: int) -> None:
         if not self.is_first and b not in self._act_recv:
@@ -340,9 +404,20 @@ class PipelineTrainer:
     # -- actions --------------------------------------------------------------------------------------------
 
     def _forward(self, b: int, data: DataFn) -> None:
+        if self.faults:
+            self.faults.at_forward(b)
         if self.is_first:
             inputs = self._model_inputs(data(b)[0])
-            header = Header(b, self.versions.current.updates, 0)
+            flags = 0
+            if self.ckpt is not None:
+                save, stop = self.ckpt.flags_for(b)
+                if stop and not save:
+                    self.ckpt.stop_without_save()
+                if save:
+                    flags = FLAG_CHECKPOINT | (FLAG_STOP if stop else 0)
+                    self._cut = (b + 1, stop)
+            header = Header(b, 0, flags)
+            header = Header(b, self._version_for(b, header).updates, flags)
         else:
             if b not in self._act_recv:
                 self._post_activation_recv(b)
@@ -351,10 +426,10 @@ class PipelineTrainer:
             self.stats.wait_s += handle.wait_s
             assert header is not None
             inputs = [t.requires_grad_() if t.is_floating_point() else t for t in inputs]
+            if header.flags & FLAG_CHECKPOINT:
+                self._cut = (b + 1, bool(header.flags & FLAG_STOP))
         t0 = time.perf_counter()
-        version = self.versions.get(header.tag) if self.config.mode == "vertical" else self.versions.current
-        if self.config.mode == "vertical":
-            self.versions.release_before(header.tag)
+        version = self._version_for(b, header)
         params = dict(zip(self._param_names, version.tensors))
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [],
                                    device_type=self.device.type):
@@ -418,11 +493,17 @@ class PipelineTrainer:
     def _update(self, round_: int) -> None:
         t0 = time.perf_counter()
         live = [p for p in self.params if p.requires_grad]
-        if self._replica_group is not None and live:
+        per_round = self.config.flush_every if self.config.mode == "flush" else self.replicas[self.stage_index]
+        round_end = (round_ + 1) * per_round
+        cut_here = self._cut is not None and self._cut[0] == round_end
+        mark = float(round_end * 2 + int(self._cut[1])) if cut_here and self._cut is not None else 0.0
+        if self._replica_group is not None:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in live]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([mark], device=self.device)])
             work = dist.all_reduce(flat, group=self._replica_group, async_op=True)
             self.messenger._wait(work, f"gradient all-reduce of update {round_}", self.plan.stages[self.stage_index].ranks[0])
+            marks = flat[-1:]
+            flat = flat[:-1]
             if self.config.mode != "flush":
                 flat /= self.replicas[self.stage_index]
             offset = 0
@@ -430,13 +511,93 @@ class PipelineTrainer:
                 n = p.numel()
                 p.grad = flat[offset: offset + n].view_as(p).clone()
                 offset += n
+            if float(marks) > 0 and not cut_here:
+                # the replica that ran the marked minibatch tells the others through the all-reduce
+                self._cut = (round_end, bool(int(float(marks)) % 2))
+                cut_here = True
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.versions.publish()
         self.stats.update_s += time.perf_counter() - t0
+        self._record_progress(round_end)
+        if cut_here and self.ckpt is not None and self._cut is not None:
+            cut, stop = self._cut
+            self._cut = None
+            self.ckpt.save(cut, stop)
+
+    def _record_progress(self, done: int, force: bool = False) -> None:
+        """Let a restarted attempt know how far this one got (last stage, at most a few times a second)."""
+        if self.store is None or not self.is_last or self.replica != 0:
+            return
+        now = time.monotonic()
+        if force or now - self._last_progress > 0.25:
+            self._last_progress = now
+            try:
+                self.store.set("progress", str(done))
+            except Exception:  # progress is informational only
+                pass
+
+    def _log_resume(self) -> None:
+        reached = None
+        if self.store is not None and self.env.restart_count > 0:
+            try:
+                if self.store.check(["progress"]):
+                    reached = int(self.store.get("progress"))
+            except Exception:
+                reached = None
+        if self.env.rank == 0:
+            redone = f"; the failed attempt had reached minibatch {reached}, so {max(0, reached - self.position)} " \
+                     f"minibatches are redone" if reached is not None else ""
+            log.warning("attempt %d resumes from committed checkpoint at minibatch %d (update %d)%s",
+                        self.env.restart_count, self.position, self.versions.current.updates, redone)
+            print(f"pipedream-ft: resumed from checkpoint {self.position} (attempt {self.env.restart_count})"
+                  + (f"; redoing {max(0, reached - self.position)} minibatches" if reached is not None else ""),
+                  flush=True)
+
+    # -- checkpoint state -----------------------------------------------------------------------------------
+
+    def _capture_state(self, cut: int) -> dict[str, Any]:
+        """This rank's part of the checkpoint at ``cut`` (right after its update for minibatch ``cut - 1``)."""
+        versions = {u: list(v.tensors) for u, v in self.versions.history.items()}
+        state: dict[str, Any] = {
+            "position": cut,
+            "updates": self.versions.current.updates,
+            "stage": self.stage_index,
+            "replica": self.replica,
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "versions": versions,
+            "rng": torch.get_rng_state(),
+            "extra": {name: obj.state_dict() for name, obj in self.extra_state.items()},
+        }
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def _restore_state(self, state: dict[str, Any]) -> None:
+        if state.get("stage") != self.stage_index or state.get("replica") != self.replica:
+            raise PipelineSetupError(
+                f"checkpoint part is for stage {state.get('stage')} replica {state.get('replica')}, "
+                f"not stage {self.stage_index} replica {self.replica}"
+            )
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.versions = VersionStore(self.params, updates=int(state["updates"]), keep=self._versions_kept())
+        for u, tensors in state["versions"].items():
+            self.versions.add(Version(int(u), tuple(t.to(self.device).requires_grad_(p.requires_grad)
+                                                    for t, p in zip(tensors, self.params))))
+        self.position = int(state["position"])
+        torch.set_rng_state(state["rng"])
+        if "cuda_rng" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        for name, obj in self.extra_state.items():
+            if name not in state["extra"]:
+                raise PipelineSetupError(f"checkpoint has no extra state {name!r} (it has {sorted(state['extra'])})")
+            obj.load_state_dict(state["extra"][name])
 
     def _note_stash(self) -> None:
         alive = {id(r.version): r.version for r in self._inflight.values()}
+        alive.update({id(v): v for v in self.versions.history.values()})
         alive[id(self.versions.current)] = self.versions.current
         n = len(alive)
         if n > self.stats.peak_stash_versions:

@@ -33,42 +33,47 @@ class Version:
 
 
 class VersionStore:
-    """The current version of a stage's weights, plus older ones kept for vertical sync."""
+    """The current version of a stage's weights and the ``keep`` before it.
 
-    def __init__(self, params: Iterable[torch.Tensor], updates: int = 0, keep_history: bool = False) -> None:
+    A forward asks for the version its position in the schedule calls for (:meth:`get`). In steady state that
+    is the current one; at the start of a schedule — after a resume, or a new ``train`` call — the warm-up
+    forwards of the first minibatches need older ones, exactly as if the pipeline had never stopped. Keeping
+    the last ``keep`` versions (``S - s - 1`` on stage ``s`` of a straight pipeline) covers that; in steady
+    state the in-flight minibatches hold those same versions anyway, so this costs no extra memory.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], updates: int = 0, keep: int = 0) -> None:
+        if keep < 0:
+            raise ValueError(f"keep must be >= 0, got {keep}")
         self._params = list(params)
-        self._keep_history = keep_history
-        self._history: dict[int, Version] = {}
+        self.keep = keep
+        self.history: dict[int, Version] = {}
         self.current = self._snapshot(updates)
 
     def _snapshot(self, updates: int) -> Version:
-        v = Version(updates, tuple(p.detach().clone().requires_grad_(p.requires_grad) for p in self._params))
-        if self._keep_history:
-            self._history[updates] = v
-        return v
+        return Version(updates, tuple(p.detach().clone().requires_grad_(p.requires_grad) for p in self._params))
 
     def publish(self) -> Version:
         """Record the live weights (just updated) as the next version."""
-        self.current = self._snapshot(self.current.updates + 1)
+        old = self.current
+        self.current = self._snapshot(old.updates + 1)
+        if self.keep:
+            self.history[old.updates] = old
+            for k in [k for k in self.history if k < self.current.updates - self.keep]:
+                del self.history[k]
         return self.current
 
     def get(self, updates: int) -> Version:
-        """The version after ``updates`` updates (vertical sync only)."""
+        """The version after ``updates`` updates."""
         if updates == self.current.updates:
             return self.current
         try:
-            return self._history[updates]
+            return self.history[updates]
         except KeyError:
             raise KeyError(
-                f"weight version {updates} is no longer kept (have {sorted(self._history)}); "
-                "vertical sync needs the same replica count on every stage"
+                f"weight version {updates} is not kept (current {self.current.updates}, kept {sorted(self.history)})"
             ) from None
 
-    def release_before(self, updates: int) -> None:
-        """Forget history versions older than ``updates`` (in-flight minibatches keep their own references)."""
-        for k in [k for k in self._history if k < updates]:
-            del self._history[k]
-
     def add(self, version: Version) -> None:
-        """Keep an older version (restored from a checkpoint) available to :meth:`get`."""
-        self._history[version.updates] = version
+        """Keep an older version (restored from a checkpoint)."""
+        self.history[version.updates] = version

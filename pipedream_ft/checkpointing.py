@@ -1,0 +1,243 @@
+"""Consistent pipeline checkpoints without a global barrier, and exact resume.
+
+**The cut.** A checkpoint is taken at a *cut* ``c``: a minibatch number that is a multiple of every stage's
+replica count (and of ``flush_every`` in flushing mode). Every rank saves right after its update for the last
+minibatch before ``c`` — so every stage's part holds exactly the updates of minibatches ``0 .. c-1`` — and the
+data position ``c``. Stage 0 decides (its policy, or a preemption notice) while it runs the forward of
+minibatch ``c - 1`` and marks that minibatch's activation header; the mark reaches every later stage before
+that stage's own update for ``c - 1``, so nobody stops to agree. Replicas of a stage that did not see the
+marked minibatch learn of it in the same round's gradient all-reduce.
+
+**What is in flight.** At the cut, stage ``s`` has already run forwards of a few minibatches ``>= c`` whose
+backwards are still to come. Its part also keeps the weight versions those forwards used (the stash). On
+resume the schedule restarts at ``c``; its warm-up forwards recompute exactly those minibatches with the
+stashed versions and the same per-minibatch RNG seeds, so everything after the cut is bitwise what the
+uninterrupted run computed.
+
+**Commit.** Each rank's part is persisted in the background (:class:`~pipedream_ft.checkpoint.CheckpointWriter`);
+rank 0 writes the commit record once every part is durable. On start, the ranks agree on the newest
+committed checkpoint whose every part verifies, and all load that one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from .checkpoint import (CheckpointError, CheckpointWriter, CorruptCheckpointError, Storage, check_compatible,
+                         list_committed, load_part, read_commit)
+from .checkpoint.format import part_data_path
+from .errors import PipelineError
+from .faults import FaultInjector
+from .policies import CheckpointPolicy, EveryNSteps, PreemptionHandler
+
+if TYPE_CHECKING:
+    from .runtime import PipelineTrainer
+
+__all__ = ["CheckpointConfig", "Checkpointer", "Preempted", "plan_hash"]
+
+log = logging.getLogger(__name__)
+
+
+class Preempted(PipelineError):
+    """A preemption notice (SIGTERM) arrived; the emergency checkpoint is committed and the rank stops."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Where and when to checkpoint."""
+
+    url: str
+    """Any fsspec URL: a local directory, ``s3://bucket/prefix``, ``memory://...``."""
+    storage_options: dict[str, Any] | None = None
+    """fsspec options, e.g. ``{"client_kwargs": {"endpoint_url": ...}}`` for S3-compatible servers."""
+    policy: CheckpointPolicy = field(default_factory=lambda: EveryNSteps(100))
+    """When to save; evaluated by stage 0 at every possible cut (steps count minibatches)."""
+    keep: int = 3
+    """Committed checkpoints kept."""
+    resume: bool = True
+    """Start from the newest committed checkpoint if there is one."""
+    emergency_save: bool = True
+    """On SIGTERM, commit a checkpoint at the next cut before exiting, if it fits in ``grace_s``."""
+    grace_s: float = 30.0
+    """Time a preemption notice leaves before the machine goes away."""
+    commit_timeout_s: float = 120.0
+    """A checkpoint whose parts are not all durable this long after it was taken is given up."""
+
+    def __post_init__(self) -> None:
+        if not self.url:
+            raise ValueError("checkpoint url must not be empty")
+        if self.keep < 1:
+            raise ValueError(f"keep must be >= 1, got {self.keep}")
+        if self.grace_s <= 0 or self.commit_timeout_s <= 0:
+            raise ValueError(f"grace_s and commit_timeout_s must be > 0, got {self.grace_s}, {self.commit_timeout_s}")
+
+
+def plan_hash(trainer: PipelineTrainer) -> str:
+    """Identifies the plan and training semantics a checkpoint was written under."""
+    body = {
+        "profile_hash": trainer.plan.profile_hash,
+        "stages": [[list(s.layers), s.replicas] for s in trainer.plan.stages],
+        "mode": trainer.config.mode,
+        "flush_every": trainer.config.flush_every if trainer.config.mode == "flush" else None,
+    }
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+class Checkpointer:
+    """One rank's side of checkpointing: deciding (stage 0), saving, committing (rank 0) and resuming."""
+
+    def __init__(self, trainer: PipelineTrainer, config: CheckpointConfig, faults: FaultInjector) -> None:
+        self.t = trainer
+        self.config = config
+        self.faults = faults
+        self.storage = Storage(config.url, config.storage_options)
+        self.storage.check_writable()
+        if faults:
+            self.storage.write_bytes = faults.wrap_part_write(self.storage.write_bytes)  # type: ignore[method-assign]
+        plan = trainer.plan
+        self.part = f"stage{trainer.stage_index}-replica{trainer.replica}"
+        parts = [f"stage{s.index}-replica{i}" for s in plan.stages for i in range(s.replicas)]
+        self.plan_hash = plan_hash(trainer)
+        self.metadata = {"plan_hash": self.plan_hash, "profile_hash": plan.profile_hash,
+                         "world_size": plan.world_size, "num_stages": plan.num_stages}
+        self.writer = CheckpointWriter(self.storage, self.part, expected_parts=parts,
+                                       is_committer=trainer.env.rank == 0, keep=config.keep,
+                                       commit_timeout_s=config.commit_timeout_s, metadata=self.metadata)
+        multiple = math.lcm(*trainer.replicas)
+        if trainer.config.mode == "flush":
+            multiple = math.lcm(multiple, trainer.config.flush_every)
+        self.cut_multiple = multiple
+        self.last_cut = -1
+        self.preemption = PreemptionHandler(grace_s=config.grace_s) if config.emergency_save else None
+        if self.preemption is not None:
+            try:
+                self.preemption.install()
+            except ValueError:  # not the main thread: no signal handlers there
+                self.preemption = None
+        self._announced = False
+        self._last_store_check = 0.0
+        self._last_forward = time.monotonic()
+        self.last_save_s = 0.0
+
+    # -- resume ---------------------------------------------------------------------------------------------
+
+    def resume(self) -> int | None:
+        """Load the newest checkpoint every rank can verify; return its cut, or ``None``. A collective."""
+        if not self.config.resume:
+            return None
+        steps: list[Any] = [list_committed(self.storage) if self.t.env.rank == 0 else None]
+        dist.broadcast_object_list(steps, src=0)
+        for step in reversed(steps[0]):
+            state = None
+            problem = ""
+            try:
+                record = read_commit(self.storage, step)
+                check_compatible(record, plan_hash=self.plan_hash)
+                state = load_part(self.storage, step, self.part, record=record)
+            except CorruptCheckpointError as exc:
+                problem = str(exc)
+            except CheckpointError as exc:
+                if "plan_hash" in str(exc):
+                    raise CheckpointError(
+                        f"checkpoint {step} in {self.storage.url} was written for another plan or model "
+                        f"({exc}); use another checkpoint directory or the same plan"
+                    ) from None
+                raise
+            flags = [None] * self.t.env.world_size
+            dist.all_gather_object(flags, problem)
+            bad = [f for f in flags if f]
+            if bad:
+                log.warning("checkpoint %d is not usable (%s); trying an older one", step, bad[0])
+                continue
+            assert state is not None
+            self.t._restore_state(state)
+            self.last_cut = step
+            self.config.policy.reset(time.monotonic(), step)
+            return step
+        return None
+
+    # -- deciding (stage 0) ---------------------------------------------------------------------------------
+
+    def flags_for(self, b: int) -> tuple[bool, bool]:
+        """At stage 0's forward of minibatch ``b``: (checkpoint at cut ``b + 1``?, stop after it?)."""
+        now = time.monotonic()
+        self.config.policy.observe(step_time_s=now - self._last_forward)
+        self._last_forward = now
+        cut = b + 1
+        if cut % self.cut_multiple or cut <= self.last_cut:
+            return False, False
+        if self.preemption_requested(now):
+            assert self.preemption is not None
+            if self.preemption.fits(self.last_save_s * 2 + 1.0, now=now):
+                self.config.policy.record_save(cut, now)
+                return True, True
+            return False, True
+        return self.config.policy.should_save(cut, now), False
+
+    def preemption_requested(self, now: float | None = None) -> bool:
+        """A preemption notice here, or announced by another rank through the store (checked twice a second)."""
+        if self.preemption is None:
+            return False
+        if self.preemption.requested:
+            return True
+        now = time.monotonic() if now is None else now
+        store = self.t.store
+        if store is not None and now - self._last_store_check > 0.5:
+            self._last_store_check = now
+            try:
+                return store.check(["preempted"])
+            except Exception:  # a store problem must not stop training
+                return False
+        return False
+
+    def announce_preemption(self) -> None:
+        """Called on any rank after each action: tell stage 0 (through the store) that SIGTERM arrived."""
+        if self.preemption is not None and self.preemption.requested and not self._announced:
+            self._announced = True
+            log.warning("rank %d: preemption notice received; asking for an emergency checkpoint", self.t.env.rank)
+            if self.t.store is not None:
+                self.t.store.set("preempted", str(self.t.env.rank))
+
+    # -- saving ---------------------------------------------------------------------------------------------
+
+    def save(self, cut: int, stop: bool) -> None:
+        self._maybe_corrupt()
+        t0 = time.perf_counter()
+        handle = self.writer.save(cut, self.t._capture_state(cut))
+        self.last_save_s = time.perf_counter() - t0
+        self.last_cut = cut
+        if self.t.is_first:
+            self.config.policy.observe(checkpoint_cost_s=handle.snapshot_s)
+        log.info("rank %d: checkpoint %d snapshot in %.3fs", self.t.env.rank, cut, handle.snapshot_s)
+        if stop:
+            self.t.messenger.flush()  # downstream stages still need what was sent before the cut
+            remaining = self.preemption.remaining_s() if self.preemption and self.preemption.requested else self.config.grace_s
+            self.writer.flush(timeout=max(1.0, remaining - 1.0))
+            raise Preempted(f"preempted: checkpoint {cut} saved; stopping (resume redoes no update)")
+
+    def stop_without_save(self) -> None:
+        raise Preempted("preempted: no emergency checkpoint fits in the grace period; stopping")
+
+    def _maybe_corrupt(self) -> None:
+        if not any(f.kind == "corrupt" for f in self.faults.faults):
+            return
+        for step in list_committed(self.storage):
+            def damage(step: int = step) -> None:
+                rel = part_data_path(step, self.part)
+                data = bytearray(self.storage.read_bytes(rel))
+                data[len(data) // 2] ^= 0xFF
+                self.storage.write_bytes(rel, bytes(data))
+            self.faults.after_commit(step, damage)
+
+    def close(self) -> None:
+        self.writer.close(timeout=self.config.commit_timeout_s)
+        if self.preemption is not None:
+            self.preemption.uninstall()

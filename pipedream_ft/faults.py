@@ -1,0 +1,145 @@
+"""A deterministic fault injector, for tests and drills.
+
+Faults are given in code or in the environment variable ``PIPEDREAM_FT_FAULTS``, ``;``-separated::
+
+    PIPEDREAM_FT_FAULTS="kill@rank=1,step=20;exception@rank=2,step=35,attempt=1"
+
+Each fault fires once, on ``rank``, when that rank starts the forward of minibatch ``step``, during torchrun
+attempt ``attempt`` (``TORCHELASTIC_RESTART_COUNT``, default 0) — so a restarted run is not hit again unless
+asked to be (two failures in a row: a second fault with ``attempt=1``). Kinds:
+
+``kill``        SIGKILL itself (a machine fault)
+``exception``   raise :class:`InjectedFault` in the training loop (a runtime error in user code)
+``hang``        SIGSTOP itself (a hung peer or a network partition; the others' watchdogs must notice)
+``term``        SIGTERM itself (a preemption notice: an emergency checkpoint, then exit)
+``ckpt_crash``  die (SIGKILL) while writing its part of the first checkpoint at or after ``step``
+``corrupt``     after the first checkpoint at or after ``step`` is committed, flip a byte in its part, then die
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = ["KINDS", "Fault", "InjectedFault", "FaultInjector", "parse_faults"]
+
+KINDS = ("kill", "exception", "hang", "term", "ckpt_crash", "corrupt")
+ENV_VAR = "PIPEDREAM_FT_FAULTS"
+
+
+class InjectedFault(RuntimeError):
+    """The ``exception`` fault."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int
+    attempt: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"fault kind must be one of {KINDS}, got {self.kind!r}")
+        if self.rank < 0 or self.step < 0 or self.attempt < 0:
+            raise ValueError(f"fault rank, step and attempt must be >= 0, got {self}")
+
+    def __str__(self) -> str:
+        return f"{self.kind}@rank={self.rank},step={self.step},attempt={self.attempt}"
+
+
+def parse_faults(text: str) -> list[Fault]:
+    """Parse ``kind@rank=R,step=S[,attempt=A];...``."""
+    faults = []
+    for item in filter(None, (p.strip() for p in text.split(";"))):
+        kind, sep, rest = item.partition("@")
+        if not sep:
+            raise ValueError(f"fault {item!r} must look like kind@rank=R,step=S[,attempt=A]")
+        fields: dict[str, int] = {}
+        for kv in rest.split(","):
+            key, eq, value = kv.strip().partition("=")
+            if not eq or key not in ("rank", "step", "attempt"):
+                raise ValueError(f"fault {item!r}: unknown field {kv.strip()!r}")
+            try:
+                fields[key] = int(value)
+            except ValueError:
+                raise ValueError(f"fault {item!r}: {key} must be an integer, got {value!r}") from None
+        if "rank" not in fields or "step" not in fields:
+            raise ValueError(f"fault {item!r} needs rank= and step=")
+        faults.append(Fault(kind.strip(), **fields))
+    return faults
+
+
+class FaultInjector:
+    """Fires the faults meant for this rank and attempt."""
+
+    def __init__(self, faults: list[Fault], *, rank: int, attempt: int) -> None:
+        self.faults = [f for f in faults if f.rank == rank and f.attempt == attempt]
+        self.rank = rank
+
+    @staticmethod
+    def from_env(*, rank: int, attempt: int, environ: dict[str, str] | None = None) -> FaultInjector:
+        env = os.environ if environ is None else environ
+        return FaultInjector(parse_faults(env.get(ENV_VAR, "")), rank=rank, attempt=attempt)
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def _take(self, kinds: tuple[str, ...], step: int) -> Fault | None:
+        for f in self.faults:
+            if f.kind in kinds and step >= f.step:
+                self.faults.remove(f)
+                return f
+        return None
+
+    def at_forward(self, step: int) -> None:
+        """Called as the rank starts the forward of minibatch ``step``."""
+        f = self._take(("kill", "exception", "hang", "term"), step)
+        if f is None:
+            return
+        print(f"pipedream-ft: rank {self.rank}: injecting fault {f}", flush=True)
+        if f.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif f.kind == "exception":
+            raise InjectedFault(f"injected fault {f}")
+        elif f.kind == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def wrap_part_write(self, write: Callable[[str, bytes], Any]) -> Callable[[str, bytes], Any]:
+        """Wrap ``Storage.write_bytes`` so a ``ckpt_crash`` fault kills the rank mid-write of its part."""
+        targets = [f for f in self.faults if f.kind == "ckpt_crash"]
+        if not targets:
+            return write
+
+        def crashing_write(rel: str, data: bytes) -> Any:
+            step = _step_of(rel)
+            if step is not None and rel.endswith(".pt") and any(step >= f.step for f in targets):
+                print(f"pipedream-ft: rank {self.rank}: injecting fault ckpt_crash while writing {rel}", flush=True)
+                write(rel + ".partial", data[: len(data) // 2])
+                os.kill(os.getpid(), signal.SIGKILL)
+            return write(rel, data)
+
+        return crashing_write
+
+    def after_commit(self, step: int, corrupt: Callable[[], None]) -> None:
+        """Called once checkpoint ``step`` is known committed; a ``corrupt`` fault damages it and dies."""
+        f = self._take(("corrupt",), step)
+        if f is None:
+            return
+        print(f"pipedream-ft: rank {self.rank}: injecting fault {f} into checkpoint {step}", flush=True)
+        corrupt()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _step_of(rel: str) -> int | None:
+    for part in rel.split("/"):
+        if part.startswith("step-"):
+            try:
+                return int(part[5:])
+            except ValueError:
+                return None
+    return None

@@ -1,0 +1,63 @@
+"""A per-rank watchdog that turns a hang into a prompt, named failure.
+
+The training loop calls :meth:`Watchdog.beat` with what it is about to do ("waiting for the gradient of
+minibatch 12 from rank 3"). If no beat comes for ``timeout_s``, the watchdog prints that description and ends
+the process with a non-zero status, so torchrun restarts the group instead of waiting forever on a stopped
+peer, a partitioned network or a stuck collective.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Callable
+
+__all__ = ["Watchdog", "WATCHDOG_EXIT_CODE"]
+
+WATCHDOG_EXIT_CODE = 70
+
+
+class Watchdog:
+    """Fails the process if :meth:`beat` is not called for ``timeout_s`` seconds while armed."""
+
+    def __init__(self, timeout_s: float, *, rank: int = 0,
+                 on_timeout: Callable[[str], None] | None = None) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self.rank = rank
+        self._on_timeout = on_timeout or self._exit
+        self._what = "starting"
+        self._last = time.monotonic()
+        self._armed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pipedream-ft-watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self, what: str) -> None:
+        self._what = what
+        self._last = time.monotonic()
+
+    def arm(self) -> None:
+        self._last = time.monotonic()
+        self._armed = True
+
+    def disarm(self) -> None:
+        self._armed = False
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        period = min(1.0, self.timeout_s / 4)
+        while not self._stop.wait(period):
+            if self._armed and time.monotonic() - self._last > self.timeout_s:
+                self._armed = False
+                self._on_timeout(f"no progress for {self.timeout_s:.0f}s while {self._what}")
+
+    def _exit(self, message: str) -> None:
+        print(f"pipedream-ft: rank {self.rank}: watchdog: {message}; exiting so the group restarts",
+              file=sys.stderr, flush=True)
+        os._exit(WATCHDOG_EXIT_CODE)

@@ -1,0 +1,49 @@
+"""Per-rank bodies for the fault-tolerance tests (importable by spawned processes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from runtime_cases import MODELS, OPTIMIZERS, data, plan_for
+
+
+class Counter:
+    """User state saved through ``extra_state``."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.value = state["value"]
+
+
+def checkpointed_case(url: str, stages: list[list[int]], replicas: list[int] | None, total: int,
+                      stop_at: int | None, every: int, mode: str = "stash", opt: str = "adam") -> dict[str, Any]:
+    """Train to ``total`` minibatches (or only to ``stop_at``, as if the job died there), checkpointing
+    every ``every`` minibatches, resuming from ``url`` if it holds a checkpoint."""
+    from pipedream_ft.checkpointing import CheckpointConfig
+    from pipedream_ft.policies import EveryNSteps
+    from pipedream_ft.runtime import PipelineConfig, PipelineTrainer
+
+    model = MODELS["mlp"]()
+    plan = plan_for(model, stages, replicas)
+    counter = Counter()
+    trainer = PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=OPTIMIZERS[opt],
+                              config=PipelineConfig(mode=mode, flush_every=4, timeout_s=60),
+                              checkpoint=CheckpointConfig(url=url, policy=EveryNSteps(every)),
+                              extra_state={"counter": counter})
+    resumed = trainer.resumed_from
+    target = stop_at if stop_at is not None else total
+    result = trainer.train(data, target - trainer.position)
+    counter.value += 1
+    if trainer.ckpt is not None:
+        trainer.ckpt.writer.flush(timeout=60)
+    state = trainer.full_state_dict()
+    trainer.close()
+    return {"state": state, "losses": result.losses, "resumed": resumed, "counter": counter.value}

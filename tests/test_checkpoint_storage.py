@@ -1,0 +1,200 @@
+"""Storage layer: local directories and memory://, atomic writes, retries, clear errors, redaction."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+
+import pytest
+
+from pipedream_ft.checkpoint import CheckpointError, RetryConfig, Storage, StorageError
+
+pytestmark = pytest.mark.timeout(60)
+
+FAST_RETRY = RetryConfig(attempts=3, delay_s=0.01, max_delay_s=0.02)
+
+
+@pytest.fixture(params=["local", "memory"])
+def storage(request: pytest.FixtureRequest, tmp_path) -> Storage:
+    if request.param == "local":
+        return Storage(str(tmp_path / "ckpt"), retry=FAST_RETRY)
+    return Storage(f"memory://pdft-test-{uuid.uuid4().hex}", retry=FAST_RETRY)
+
+
+def test_write_read_exists_list_delete(storage: Storage) -> None:
+    assert storage.list("") == []
+    assert not storage.exists("a/b.bin")
+    storage.write_bytes("a/b.bin", b"hello")
+    storage.write_bytes("a/c.bin", b"")
+    storage.write_bytes("top.json", b"{}")
+    assert storage.read_bytes("a/b.bin") == b"hello"
+    assert storage.read_bytes("a/c.bin") == b""
+    assert storage.exists("a/b.bin") and storage.exists("a")
+    assert storage.list("") == ["a", "top.json"]
+    assert storage.list("a") == ["b.bin", "c.bin"]
+    assert storage.list("missing") == []
+    storage.write_bytes("a/b.bin", b"replaced")
+    assert storage.read_bytes("a/b.bin") == b"replaced"
+    storage.delete("a/b.bin")
+    storage.delete("a/b.bin")  # deleting a missing object is fine
+    assert storage.list("a") == ["c.bin"]
+    storage.delete("a", recursive=True)
+    assert not storage.exists("a/c.bin")
+    assert storage.list("") == ["top.json"]
+    with pytest.raises(FileNotFoundError):
+        storage.read_bytes("a/c.bin")
+
+
+def test_check_writable_ok_leaves_nothing(storage: Storage) -> None:
+    storage.check_writable()
+    assert storage.list("") == []
+
+
+def test_bad_paths_rejected(storage: Storage) -> None:
+    with pytest.raises(ValueError, match=r"'\.\.'"):
+        storage.write_bytes("../escape", b"x")
+    with pytest.raises(ValueError, match="root"):
+        storage.delete("", recursive=True)
+    with pytest.raises(TypeError, match="data must be bytes"):
+        storage.write_bytes("x", "text")  # type: ignore[arg-type]
+
+
+def test_local_write_is_atomic_and_leaves_no_temp_files(tmp_path) -> None:
+    st = Storage(f"file://{tmp_path}/root")
+    st.write_bytes("d/x.bin", b"1" * 1000)
+    st.write_bytes("d/x.bin", b"2" * 10)
+    assert sorted(os.listdir(tmp_path / "root" / "d")) == ["x.bin"]
+    assert (tmp_path / "root" / "d" / "x.bin").read_bytes() == b"2" * 10
+    assert st.is_local
+
+
+def test_local_failed_write_removes_temp_file(tmp_path, monkeypatch) -> None:
+    st = Storage(str(tmp_path), retry=RetryConfig(attempts=1))
+
+    def boom(src: str, dst: str) -> None:
+        raise OSError(5, "injected I/O error")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(StorageError, match="injected I/O error"):
+        st.write_bytes("x.bin", b"data")
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []
+
+
+def test_unwritable_directory_under_a_regular_file(tmp_path) -> None:
+    # A path below a regular file cannot be created, even by root.
+    (tmp_path / "file.txt").write_text("not a directory")
+    url = str(tmp_path / "file.txt" / "sub")
+    st = Storage(url, retry=FAST_RETRY)
+    with pytest.raises(CheckpointError) as info:
+        st.check_writable()
+    msg = str(info.value)
+    assert url in msg and "not writable" in msg and "\n" not in msg
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root ignores directory permissions")
+def test_unwritable_directory_permissions(tmp_path) -> None:
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o500)
+    try:
+        with pytest.raises(CheckpointError, match="permission denied"):
+            Storage(str(d), retry=FAST_RETRY).check_writable()
+    finally:
+        d.chmod(0o700)
+
+
+def test_transient_errors_are_retried_with_warnings(tmp_path, caplog) -> None:
+    st = Storage(str(tmp_path), retry=RetryConfig(attempts=4, delay_s=0.001, max_delay_s=0.002))
+    real = st._write_local
+    failures = [ConnectionError("endpoint flaked"), TimeoutError("slow")]
+
+    def flaky(rel: str, data: bytes) -> None:
+        if failures:
+            raise failures.pop(0)
+        real(rel, data)
+
+    st._write_local = flaky  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="pipedream_ft.checkpoint.storage"):
+        st.write_bytes("x.bin", b"ok")
+    assert st.read_bytes("x.bin") == b"ok"
+    retries = [r for r in caplog.records if "retry" in r.getMessage()]
+    assert len(retries) == 2
+    assert "retry 1/3" in retries[0].getMessage() and "ConnectionError" in retries[0].getMessage()
+
+
+def test_retries_exhausted_raise_storage_error(tmp_path) -> None:
+    st = Storage(str(tmp_path), retry=RetryConfig(attempts=2, delay_s=0.001))
+    calls = []
+
+    def down(rel: str, data: bytes) -> None:
+        calls.append(rel)
+        raise ConnectionError("connection refused")
+
+    st._write_local = down  # type: ignore[method-assign]
+    with pytest.raises(StorageError, match="after 2 tries"):
+        st.write_bytes("x.bin", b"")
+    assert len(calls) == 2
+
+
+def test_permanent_errors_are_not_retried(tmp_path) -> None:
+    st = Storage(str(tmp_path), retry=RetryConfig(attempts=5, delay_s=0.001))
+    calls = []
+
+    def denied(rel: str, data: bytes) -> None:
+        calls.append(rel)
+        raise PermissionError(13, "Permission denied", rel)
+
+    st._write_local = denied  # type: ignore[method-assign]
+    with pytest.raises(StorageError, match="Permission denied"):
+        st.write_bytes("x.bin", b"")
+    assert len(calls) == 1
+
+
+def test_retry_config_validation() -> None:
+    with pytest.raises(ValueError, match="attempts must be an int >= 1, got 0"):
+        RetryConfig(attempts=0)
+    with pytest.raises(ValueError, match="delay_s must be >= 0, got -1"):
+        RetryConfig(delay_s=-1)
+    with pytest.raises(ValueError, match="url must be non-empty"):
+        Storage("")
+
+
+def test_redaction_of_options_env_and_url(monkeypatch) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "env-secret-123456")
+    st = Storage(
+        "s3://AKIDUSER:url-secret-999@bucket/prefix",
+        {"key": "AKIDEXAMPLE", "secret": "opt-secret-abcdef", "client_kwargs": {"endpoint_url": "http://h:1"}},
+    )
+    assert "url-secret-999" not in st.url and "AKIDUSER" not in st.url
+    assert st.url == "s3://***@bucket/prefix"
+    text = st.redact("a opt-secret-abcdef b env-secret-123456 c AKIDEXAMPLE d http://h:1")
+    assert text == "a *** b *** c *** d http://h:1"
+    assert "opt-secret" not in repr(st)
+
+
+def test_unreachable_s3_endpoint_gives_one_clear_error(monkeypatch) -> None:
+    pytest.importorskip("s3fs")
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    secret = "unreachable-secret-XYZ"
+    st = Storage(
+        "s3://some-bucket/run",
+        {
+            "key": "AKIDTEST",
+            "secret": secret,
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
+            "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}},
+            "skip_instance_cache": True,
+        },
+        retry=RetryConfig(attempts=2, delay_s=0.01),
+    )
+    with pytest.raises(CheckpointError) as info:
+        st.check_writable()
+    msg = str(info.value)
+    assert "s3://some-bucket/run" in msg and "unreachable" in msg and secret not in msg
