@@ -1,3 +1,52 @@
-"""pipedream-ft: PipeDream's asynchronous 1F1B pipeline with weight stashing, with pluggable fault tolerance."""
+"""pipedream-ft: PipeDream's asynchronous 1F1B pipeline with weight stashing, with pluggable fault tolerance.
 
-__all__: list[str] = []
+Typical use, in a script launched by ``torchrun``::
+
+    from pipedream_ft import PipelineTrainer, PipelineConfig, CheckpointConfig, EveryNSteps, load_plan
+
+    trainer = PipelineTrainer(model, load_plan("plan.json"), loss_fn=F.cross_entropy,
+                              optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                              checkpoint=CheckpointConfig(url="s3://bucket/run", policy=EveryNSteps(100)))
+    trainer.fit(data, total=10_000)          # data(b) -> (inputs, targets) of minibatch b
+"""
+
+from partitioner.plan import Plan, PlanError, load_plan
+
+from .checkpointing import CheckpointConfig, Preempted
+from .comm import PeerTimeoutError, ShapeMismatchError
+from .distributed import init_distributed, shutdown
+from .env import DistEnv, read_env
+from .errors import PipelineError, PipelineSetupError, exit_on_error
+from .policies import (AllOf, AnyOf, CheckpointPolicy, EveryNSteps, EveryTSeconds, Never, OverheadBudget,
+                       PreemptionHandler, YoungDaly)
+from .runtime import PipelineConfig, PipelineTrainer, RankStats, TrainResult
+
+__all__ = [
+    "AllOf",
+    "AnyOf",
+    "CheckpointConfig",
+    "CheckpointPolicy",
+    "DistEnv",
+    "EveryNSteps",
+    "EveryTSeconds",
+    "Never",
+    "OverheadBudget",
+    "PeerTimeoutError",
+    "PipelineConfig",
+    "PipelineError",
+    "PipelineSetupError",
+    "PipelineTrainer",
+    "Plan",
+    "PlanError",
+    "Preempted",
+    "PreemptionHandler",
+    "RankStats",
+    "ShapeMismatchError",
+    "TrainResult",
+    "YoungDaly",
+    "exit_on_error",
+    "init_distributed",
+    "load_plan",
+    "read_env",
+    "shutdown",
+]

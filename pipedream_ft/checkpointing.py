@@ -116,6 +116,8 @@ class Checkpointer:
             multiple = math.lcm(multiple, trainer.config.flush_every)
         self.cut_multiple = multiple
         self.last_cut = -1
+        """The newest cut decided (stage 0), saved or resumed from."""
+        self.last_saved = -1
         self.preemption = PreemptionHandler(grace_s=config.grace_s) if config.emergency_save else None
         if self.preemption is not None:
             try:
@@ -176,21 +178,25 @@ class Checkpointer:
             return False, False
         if self.preemption_requested(now):
             assert self.preemption is not None
+            self.last_cut = cut  # no further decisions: this is the last cut of the attempt
             if self.preemption.fits(self.last_save_s * 2 + 1.0, now=now):
                 self.config.policy.record_save(cut, now)
                 return True, True
             return False, True
-        return self.config.policy.should_save(cut, now), False
+        save = self.config.policy.should_save(cut, now)
+        if save:
+            self.last_cut = cut
+        return save, False
 
     def preemption_requested(self, now: float | None = None) -> bool:
-        """A preemption notice here, or announced by another rank through the store (checked twice a second)."""
+        """A preemption notice here, or announced by another rank through the store (checked every 50 ms)."""
         if self.preemption is None:
             return False
         if self.preemption.requested:
             return True
         now = time.monotonic() if now is None else now
-        store = self.t.store
-        if store is not None and now - self._last_store_check > 0.5:
+        store = self._attempt_store()
+        if store is not None and now - self._last_store_check > 0.05:
             self._last_store_check = now
             try:
                 return store.check(["preempted"])
@@ -203,17 +209,27 @@ class Checkpointer:
         if self.preemption is not None and self.preemption.requested and not self._announced:
             self._announced = True
             log.warning("rank %d: preemption notice received; asking for an emergency checkpoint", self.t.env.rank)
-            if self.t.store is not None:
-                self.t.store.set("preempted", str(self.t.env.rank))
+            store = self._attempt_store()
+            if store is not None:
+                store.set("preempted", str(self.t.env.rank))
+
+    @staticmethod
+    def _attempt_store() -> Any:
+        """The default group's store: scoped to this attempt, so a notice does not outlive its attempt."""
+        try:
+            return dist.distributed_c10d._get_default_store()
+        except Exception:  # not joined
+            return None
 
     # -- saving ---------------------------------------------------------------------------------------------
 
     def save(self, cut: int, stop: bool) -> None:
-        self._maybe_corrupt()
+        self._maybe_corrupt(cut)
         t0 = time.perf_counter()
         handle = self.writer.save(cut, self.t._capture_state(cut))
         self.last_save_s = time.perf_counter() - t0
-        self.last_cut = cut
+        self.last_cut = max(self.last_cut, cut)
+        self.last_saved = cut
         if self.t.is_first:
             self.config.policy.observe(checkpoint_cost_s=handle.snapshot_s)
         log.info("rank %d: checkpoint %d snapshot in %.3fs", self.t.env.rank, cut, handle.snapshot_s)
@@ -226,16 +242,27 @@ class Checkpointer:
     def stop_without_save(self) -> None:
         raise Preempted("preempted: no emergency checkpoint fits in the grace period; stopping")
 
-    def _maybe_corrupt(self) -> None:
-        if not any(f.kind == "corrupt" for f in self.faults.faults):
+    def _maybe_corrupt(self, cut: int) -> None:
+        """Fault injection (``corrupt``): at a save after checkpoint ``step``, damage this rank's part of the
+        newest committed checkpoint and die (before this save can commit)."""
+        if not any(f.kind == "corrupt" and f.step < cut for f in self.faults.faults):
             return
-        for step in list_committed(self.storage):
-            def damage(step: int = step) -> None:
-                rel = part_data_path(step, self.part)
-                data = bytearray(self.storage.read_bytes(rel))
-                data[len(data) // 2] ^= 0xFF
-                self.storage.write_bytes(rel, bytes(data))
-            self.faults.after_commit(step, damage)
+        # damage the checkpoint this rank saved last, once it is the newest committed one (waiting briefly for
+        # its commit), so that the damaged checkpoint is the one a restart finds first
+        newest = self.last_saved
+        deadline = time.monotonic() + 5.0
+        while newest not in list_committed(self.storage):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+
+        def damage() -> None:
+            rel = part_data_path(newest, self.part)
+            data = bytearray(self.storage.read_bytes(rel))
+            data[len(data) // 2] ^= 0xFF
+            self.storage.write_bytes(rel, bytes(data))
+
+        self.faults.after_commit(newest, damage)
 
     def close(self) -> None:
         self.writer.close(timeout=self.config.commit_timeout_s)

@@ -13,6 +13,7 @@ peer instead of hanging. With gloo each message gets its own tag; NCCL ignores t
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -95,6 +96,13 @@ def _decode(buf: torch.Tensor) -> tuple[Header, list[TensorSpec]]:
         ndim = vals[off + 1]
         specs.append(TensorSpec(tuple(vals[off + 2: off + 2 + ndim]), _DTYPES[vals[off]]))
     return Header(vals[1], vals[2], vals[3]), specs
+
+
+def _backend_reason(exc: BaseException) -> str:
+    """The useful part of a backend's error: no source location, no boilerplate advice."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text)
+    return text.split(" This is typically")[0].strip()
 
 
 def _tag(minibatch: int, slot: int) -> int:
@@ -193,11 +201,10 @@ class Messenger:
     def _isend(self, t: torch.Tensor, peer: int, tag: int, what: str, kind: str) -> None:
         work = dist.isend(t, dst=peer, tag=tag, group=self._groups.get((peer, kind)))
         self._pending.append((work, t, what, peer))
-        if len(self._pending) > 64:
-            self._reap()
-
-    def _reap(self) -> None:
-        self._pending = [p for p in self._pending if not p[0].is_completed()]
+        while len(self._pending) > 64:
+            # gloo reports a send complete only once it is waited on: wait for the oldest (long done)
+            old, _, what_old, peer_old = self._pending.pop(0)
+            self._wait(old, f"send of {what_old}", peer_old)
 
     def flush(self) -> None:
         """Wait until every send posted so far has completed."""
@@ -244,7 +251,7 @@ class Messenger:
         except Exception as exc:  # backends raise their own error types on timeout or a dead peer
             raise PeerTimeoutError(
                 f"{what} with rank {peer} failed or timed out after {self.timeout.total_seconds():.0f}s: "
-                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                f"{_backend_reason(exc)}"
             ) from None
         if ok is False:
             raise PeerTimeoutError(f"{what} with rank {peer} timed out after {self.timeout.total_seconds():.0f}s")

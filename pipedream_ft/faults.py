@@ -13,7 +13,8 @@ asked to be (two failures in a row: a second fault with ``attempt=1``). Kinds:
 ``hang``        SIGSTOP itself (a hung peer or a network partition; the others' watchdogs must notice)
 ``term``        SIGTERM itself (a preemption notice: an emergency checkpoint, then exit)
 ``ckpt_crash``  die (SIGKILL) while writing its part of the first checkpoint at or after ``step``
-``corrupt``     after the first checkpoint at or after ``step`` is committed, flip a byte in its part, then die
+``corrupt``     at a save after checkpoint ``step`` has committed, flip a byte in its part of the newest
+                committed checkpoint, then die
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -66,6 +68,8 @@ class PipelineConfig:
     """Longest wait for a peer (a transfer, an all-reduce) before the rank fails naming it."""
     watchdog_s: float | None = 60.0
     """Fail the rank if it makes no progress at all for this long (``None``: no watchdog)."""
+    health_file: str | None = field(default_factory=lambda: os.environ.get("PIPEDREAM_FT_HEALTH_FILE"))
+    """Refreshed while the rank makes progress (for liveness probes); default ``$PIPEDREAM_FT_HEALTH_FILE``."""
     seed: int = 0
     """Seeds each forward's RNG from (seed, stage, minibatch), so dropout is reproducible across restarts."""
     check_model_hash: bool = True
@@ -141,7 +145,10 @@ class PipelineTrainer:
         extra_state: dict[str, Any] | None = None,
     ) -> None:
         self.config = config or PipelineConfig()
+        self.timeline: dict[str, float] = {"start": time.time()}
+        """Wall-clock times of this attempt's milestones: start, joined, restored, first_update."""
         self.env = init_distributed(env, backend=self.config.backend, timeout_s=self.config.timeout_s)
+        self.timeline["joined"] = time.time()
         self.backend = dist.get_backend()
         self.device = default_device(self.env, self.backend)
         self.plan = plan
@@ -178,16 +185,20 @@ class PipelineTrainer:
         self._act_recv: dict[int, RecvHandle] = {}
         self._losses: list[tuple[int, float]] = []
         self._preflight_done = False
+        self._generator = torch.cuda.default_generators[self.device.index or 0] if self.device.type == "cuda" \
+            else torch.default_generator
         self.stats = RankStats()
-        self._cut: tuple[int, bool] | None = None
-        """A checkpoint cut announced to this rank, and whether to stop after it."""
+        self._cuts: dict[int, bool] = {}
+        """Checkpoint cuts announced to this rank and not yet reached (cut -> stop after it)."""
         self.extra_state = dict(extra_state or {})
         self.store = job_store()
         self.faults = FaultInjector.from_env(rank=self.env.rank, attempt=self.env.restart_count)
-        self.watchdog = Watchdog(self.config.watchdog_s, rank=self.env.rank) if self.config.watchdog_s else None
-        self._last_progress = 0.0
+        self.watchdog = Watchdog(self.config.watchdog_s, rank=self.env.rank, health_file=self.config.health_file) \
+            if self.config.watchdog_s else None
+        self._progress = _ProgressReporter(self.store)
         self.ckpt = Checkpointer(self, checkpoint, self.faults) if checkpoint is not None else None
         self.resumed_from = self.ckpt.resume() if self.ckpt is not None else None
+        self.timeline["restored"] = time.time()
         if self.resumed_from is not None:
             self._log_resume()
 
@@ -415,7 +426,7 @@ class PipelineTrainer:
                     self.ckpt.stop_without_save()
                 if save:
                     flags = FLAG_CHECKPOINT | (FLAG_STOP if stop else 0)
-                    self._cut = (b + 1, stop)
+                    self._cuts[b + 1] = stop
             header = Header(b, 0, flags)
             header = Header(b, self._version_for(b, header).updates, flags)
         else:
@@ -427,14 +438,17 @@ class PipelineTrainer:
             assert header is not None
             inputs = [t.requires_grad_() if t.is_floating_point() else t for t in inputs]
             if header.flags & FLAG_CHECKPOINT:
-                self._cut = (b + 1, bool(header.flags & FLAG_STOP))
+                self._cuts[b + 1] = bool(header.flags & FLAG_STOP)
         t0 = time.perf_counter()
         version = self._version_for(b, header)
         params = dict(zip(self._param_names, version.tensors))
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [],
-                                   device_type=self.device.type):
-            torch.manual_seed(_mix(self.config.seed, self.stage_index, b))
+        gen = self._generator
+        saved = gen.get_state()
+        gen.manual_seed(_mix(self.config.seed, self.stage_index, b))  # this forward's RNG, reproducible
+        try:
             out = functional_call(self.module, params, tuple(inputs))
+        finally:
+            gen.set_state(saved)  # the caller's RNG stream is left as it was
         loss = None
         outputs: list[torch.Tensor] = []
         grad_recv = None
@@ -495,8 +509,8 @@ class PipelineTrainer:
         live = [p for p in self.params if p.requires_grad]
         per_round = self.config.flush_every if self.config.mode == "flush" else self.replicas[self.stage_index]
         round_end = (round_ + 1) * per_round
-        cut_here = self._cut is not None and self._cut[0] == round_end
-        mark = float(round_end * 2 + int(self._cut[1])) if cut_here and self._cut is not None else 0.0
+        cut_here = round_end in self._cuts
+        mark = float(round_end * 2 + int(self._cuts[round_end])) if cut_here else 0.0
         if self._replica_group is not None:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in live]
             flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([mark], device=self.device)])
@@ -513,29 +527,23 @@ class PipelineTrainer:
                 offset += n
             if float(marks) > 0 and not cut_here:
                 # the replica that ran the marked minibatch tells the others through the all-reduce
-                self._cut = (round_end, bool(int(float(marks)) % 2))
+                self._cuts[round_end] = bool(int(float(marks)) % 2)
                 cut_here = True
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.versions.publish()
         self.stats.update_s += time.perf_counter() - t0
+        if "first_update" not in self.timeline:
+            self.timeline["first_update"] = time.time()
         self._record_progress(round_end)
-        if cut_here and self.ckpt is not None and self._cut is not None:
-            cut, stop = self._cut
-            self._cut = None
-            self.ckpt.save(cut, stop)
+        if cut_here and self.ckpt is not None:
+            self.ckpt.save(round_end, self._cuts.pop(round_end))
 
     def _record_progress(self, done: int, force: bool = False) -> None:
-        """Let a restarted attempt know how far this one got (last stage, at most a few times a second)."""
+        """Let a restarted attempt know how far this one got (the last stage's replica 0 reports it)."""
         if self.store is None or not self.is_last or self.replica != 0:
             return
-        now = time.monotonic()
-        if force or now - self._last_progress > 0.25:
-            self._last_progress = now
-            try:
-                self.store.set("progress", str(done))
-            except Exception:  # progress is informational only
-                pass
+        self._progress.report(done, force)
 
     def _log_resume(self) -> None:
         reached = None
@@ -628,6 +636,42 @@ class PipelineTrainer:
         if self.env.rank == 0:
             torch.save(state, path)
         dist.barrier()
+
+
+class _ProgressReporter:
+    """Publishes the last finished minibatch to the job store from a background thread (ten times a second),
+    so the training loop never waits on the store."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._value: int | None = None
+        self._sent: int | None = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def report(self, done: int, force: bool = False) -> None:
+        self._value = done
+        if force:
+            self._push()
+        elif self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="pipedream-ft-progress", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.1)
+            self._push()
+
+    def _push(self) -> None:
+        with self._lock:
+            value = self._value
+            if value is None or value == self._sent:
+                return
+            try:
+                self._store.set("progress", str(value))
+                self._sent = value
+            except Exception:  # progress is informational only
+                pass
 
 
 def _mix(seed: int, stage: int, minibatch: int) -> int:

@@ -1,9 +1,12 @@
-"""A per-rank watchdog that turns a hang into a prompt, named failure.
+"""A per-rank watchdog that turns a hang into a prompt, named failure, and a health file for probes.
 
 The training loop calls :meth:`Watchdog.beat` with what it is about to do ("waiting for the gradient of
 minibatch 12 from rank 3"). If no beat comes for ``timeout_s``, the watchdog prints that description and ends
 the process with a non-zero status, so torchrun restarts the group instead of waiting forever on a stopped
 peer, a partitioned network or a stuck collective.
+
+With a health file (``PipelineConfig.health_file``, or the ``PIPEDREAM_FT_HEALTH_FILE`` environment variable)
+each beat also refreshes that file, so a Kubernetes liveness probe can restart a pod whose file goes stale.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ class Watchdog:
     """Fails the process if :meth:`beat` is not called for ``timeout_s`` seconds while armed."""
 
     def __init__(self, timeout_s: float, *, rank: int = 0,
-                 on_timeout: Callable[[str], None] | None = None) -> None:
+                 on_timeout: Callable[[str], None] | None = None, health_file: str | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
@@ -32,6 +35,9 @@ class Watchdog:
         self._what = "starting"
         self._last = time.monotonic()
         self._armed = False
+        self.health_file = health_file
+        """Touched at most once a second while the rank makes progress: a liveness probe can check its age."""
+        self._touched = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pipedream-ft-watchdog", daemon=True)
         self._thread.start()
@@ -39,6 +45,13 @@ class Watchdog:
     def beat(self, what: str) -> None:
         self._what = what
         self._last = time.monotonic()
+        if self.health_file is not None and self._last - self._touched > 1.0:
+            self._touched = self._last
+            try:
+                with open(self.health_file, "w") as f:
+                    f.write(f"{time.time():.0f} {what}\n")
+            except OSError:
+                pass
 
     def arm(self) -> None:
         self._last = time.monotonic()
