@@ -128,6 +128,8 @@ class Checkpointer:
         self._last_store_check = 0.0
         self._last_forward = time.monotonic()
         self.last_save_s = 0.0
+        self._handles: list[Any] = []
+        self._started = time.time()
 
     # -- resume ---------------------------------------------------------------------------------------------
 
@@ -230,6 +232,12 @@ class Checkpointer:
         self.last_save_s = time.perf_counter() - t0
         self.last_cut = max(self.last_cut, cut)
         self.last_saved = cut
+        self._handles.append(handle)
+        del self._handles[:-4]
+        if self.t.recorder is not None:
+            end = time.time()
+            self.t.recorder.complete("checkpoint", "checkpoint", end - self.last_save_s, end, cut=cut,
+                                     snapshot_s=handle.snapshot_s)
         if self.t.is_first:
             self.config.policy.observe(checkpoint_cost_s=handle.snapshot_s)
         log.info("rank %d: checkpoint %d snapshot in %.3fs", self.t.env.rank, cut, handle.snapshot_s)
@@ -238,6 +246,20 @@ class Checkpointer:
             remaining = self.preemption.remaining_s() if self.preemption and self.preemption.requested else self.config.grace_s
             self.writer.flush(timeout=max(1.0, remaining - 1.0))
             raise Preempted(f"preempted: checkpoint {cut} saved; stopping (resume redoes no update)")
+
+    def metrics(self) -> dict[str, Any]:
+        """Checkpoint figures for the metrics record: the last finished save's snapshot and persist times and
+        the time since the last save known committed (or persisted, on ranks other than the committer)."""
+        done = [h for h in self._handles if h.done() and h.ok]
+        out: dict[str, Any] = {"checkpoints": len(done)}
+        if done:
+            last = done[-1]
+            out["ckpt_snapshot_s"] = last.snapshot_s
+            out["ckpt_persist_s"] = last.persist_s
+        finished = [h for h in done if (h.committed if self.writer.is_committer else True)]
+        base = finished[-1].finished_at if finished else None
+        out["since_commit_s"] = time.time() - (base or self._started)
+        return out
 
     def stop_without_save(self) -> None:
         raise Preempted("preempted: no emergency checkpoint fits in the grace period; stopping")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ from .versions import Version, VersionStore
 from .checkpointing import CheckpointConfig, Checkpointer
 from .distributed import job_store
 from .faults import FaultInjector
+from .metrics import MetricsWriter, summary_table
+from .timeline import TimelineRecorder
 from .watchdog import Watchdog
 
 __all__ = ["MODES", "PipelineConfig", "RankStats", "TrainResult", "PipelineTrainer"]
@@ -69,6 +72,14 @@ class PipelineConfig:
     watchdog_s: float | None = 60.0
     """Fail the rank if it makes no progress at all for this long (``None``: no watchdog)."""
     health_file: str | None = field(default_factory=lambda: os.environ.get("PIPEDREAM_FT_HEALTH_FILE"))
+    trace_dir: str | None = field(default_factory=lambda: os.environ.get("PIPEDREAM_FT_TRACE_DIR"))
+    """Write this rank's timeline (Chrome/Perfetto trace) here; default ``$PIPEDREAM_FT_TRACE_DIR``."""
+    metrics_dir: str | None = field(default_factory=lambda: os.environ.get("PIPEDREAM_FT_METRICS_DIR"))
+    """Write this rank's metrics (JSON lines, one per update) here; default ``$PIPEDREAM_FT_METRICS_DIR``."""
+    progress: bool = True
+    """A progress bar on rank 0 (only when stderr is a terminal)."""
+    summary: bool = True
+    """Print a per-rank summary table on rank 0 at the end of :meth:`PipelineTrainer.train`."""
     """Refreshed while the rank makes progress (for liveness probes); default ``$PIPEDREAM_FT_HEALTH_FILE``."""
     seed: int = 0
     """Seeds each forward's RNG from (seed, stage, minibatch), so dropout is reproducible across restarts."""
@@ -196,9 +207,20 @@ class PipelineTrainer:
         self.watchdog = Watchdog(self.config.watchdog_s, rank=self.env.rank, health_file=self.config.health_file) \
             if self.config.watchdog_s else None
         self._progress = _ProgressReporter(self.store)
+        self.recorder = TimelineRecorder(self.config.trace_dir, rank=self.env.rank, stage=self.stage_index,
+                                         replica=self.replica, attempt=self.env.restart_count) \
+            if self.config.trace_dir else None
+        self.metrics = MetricsWriter(self.config.metrics_dir, self.env.rank) if self.config.metrics_dir else None
+        self.redone = 0
+        self._mark: dict[str, float] = {}
+        self._train_t0 = time.perf_counter()
+        self._bar: Any = None
+        self._bar_polled = 0.0
         self.ckpt = Checkpointer(self, checkpoint, self.faults) if checkpoint is not None else None
         self.resumed_from = self.ckpt.resume() if self.ckpt is not None else None
         self.timeline["restored"] = time.time()
+        if self.recorder is not None:
+            self.recorder.instant("start", "restart", attempt=self.env.restart_count, resumed_from=self.resumed_from)
         if self.resumed_from is not None:
             self._log_resume()
 
@@ -361,7 +383,10 @@ class PipelineTrainer:
         actions = self.schedule(start, stop)
         forwards = [i for i, a in enumerate(actions) if a.kind == "F"]
         t0 = time.perf_counter()
+        self._train_t0 = t0
+        self._mark = {}
         self._losses = []
+        self._bar = self._progress_bar(start, stop)
         if self.watchdog is not None:
             self.watchdog.arm()
         try:
@@ -388,10 +413,36 @@ class PipelineTrainer:
         finally:
             if self.watchdog is not None:
                 self.watchdog.disarm()
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+            for sink in (self.recorder, self.metrics):
+                if sink is not None:
+                    sink.flush()
         self.position = stop
         self._record_progress(stop, force=True)
         seconds = time.perf_counter() - t0
-        return TrainResult(self._gather_losses(), start, seconds, self.stats)
+        result = TrainResult(self._gather_losses(), start, seconds, self.stats)
+        if self.config.summary:
+            self._print_summary(seconds)
+        return result
+
+    def _progress_bar(self, start: int, stop: int) -> Any:
+        if self.env.rank != 0 or not self.config.progress or not sys.stderr.isatty():
+            return None
+        from tqdm import tqdm
+
+        self._bar_polled = 0.0
+        return tqdm(total=stop, initial=start, unit="mb", desc="training", dynamic_ncols=True, leave=True)
+
+    def _print_summary(self, seconds: float) -> None:
+        """Gather every rank's statistics and print a table on rank 0. A collective."""
+        mine = {"rank": self.env.rank, "stage": self.stage_index, "seconds": seconds,
+                **{k: getattr(self.stats, k) for k in RankStats.__slots__}}  # type: ignore[attr-defined]
+        rows: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(rows, mine)
+        if self.env.rank == 0:
+            print(summary_table(rows), flush=True)
 
     def fit(self, data: DataFn, total: int) -> TrainResult:
         """Train until ``total`` minibatches are done in all, continuing from a resumed checkpoint's position;
@@ -402,11 +453,14 @@ class PipelineTrainer:
         return result
 
     def close(self) -> None:
-        """Stop the watchdog and the checkpoint writer (waiting for pending commits)."""
+        """Stop the watchdog and the checkpoint writer (waiting for pending commits); close the trace."""
         if self.watchdog is not None:
             self.watchdog.close()
         if self.ckpt is not None:
             self.ckpt.close()
+        for sink in (self.recorder, self.metrics):
+            if sink is not None:
+                sink.close()
 
     def _post_activation_recv(self, b: int) -> None:
         if not self.is_first and b not in self._act_recv:
@@ -435,11 +489,13 @@ class PipelineTrainer:
             handle = self._act_recv.pop(b)
             header, inputs = handle.wait()  # type: ignore[assignment]
             self.stats.wait_s += handle.wait_s
+            self._record_wait(handle, "activation")
             assert header is not None
             inputs = [t.requires_grad_() if t.is_floating_point() else t for t in inputs]
             if header.flags & FLAG_CHECKPOINT:
                 self._cuts[b + 1] = bool(header.flags & FLAG_STOP)
         t0 = time.perf_counter()
+        w0 = time.time()
         version = self._version_for(b, header)
         params = dict(zip(self._param_names, version.tensors))
         gen = self._generator
@@ -468,6 +524,8 @@ class PipelineTrainer:
             grad_recv = self.messenger.post_gradients(peer, b, specs)
         self._inflight[b] = _InFlight(version, list(inputs), outputs, loss, grad_recv, header)
         self.stats.forward_s += time.perf_counter() - t0
+        if self.recorder is not None:
+            self.recorder.complete(f"F{b}", "forward", w0, time.time(), minibatch=b, replica=self.replica)
         self._note_stash()
 
     def _backward(self, b: int) -> None:
@@ -479,10 +537,12 @@ class PipelineTrainer:
             assert rec.grad_recv is not None
             _, received = rec.grad_recv.wait()
             self.stats.wait_s += rec.grad_recv.wait_s
+            self._record_wait(rec.grad_recv, "gradient")
             floats = [t for t in rec.outputs if t.is_floating_point()]
             pairs = [(o, g) for o, g in zip(floats, received) if o.requires_grad]
             roots, grads = [p[0] for p in pairs], [p[1] for p in pairs]
         t0 = time.perf_counter()
+        w0 = time.time()
         wrt_params = [t for t in rec.version.tensors if t.requires_grad]
         wrt_inputs = [t for t in rec.inputs if t.is_floating_point() and t.requires_grad] if not self.is_first else []
         wrt = wrt_params + wrt_inputs
@@ -503,9 +563,12 @@ class PipelineTrainer:
             self.messenger.send_gradients(self._peer(self.stage_index - 1, b), b, in_grads)
         self.stats.backward_s += time.perf_counter() - t0
         self.stats.minibatches += 1
+        if self.recorder is not None:
+            self.recorder.complete(f"B{b}", "backward", w0, time.time(), minibatch=b, replica=self.replica)
 
     def _update(self, round_: int) -> None:
         t0 = time.perf_counter()
+        w0 = time.time()
         live = [p for p in self.params if p.requires_grad]
         per_round = self.config.flush_every if self.config.mode == "flush" else self.replicas[self.stage_index]
         round_end = (round_ + 1) * per_round
@@ -535,32 +598,74 @@ class PipelineTrainer:
         self.stats.update_s += time.perf_counter() - t0
         if "first_update" not in self.timeline:
             self.timeline["first_update"] = time.time()
+        if self.recorder is not None:
+            self.recorder.complete(f"U{round_}", "update", w0, time.time(), round=round_, replica=self.replica)
+        self._after_update(round_, round_end)
         self._record_progress(round_end)
         if cut_here and self.ckpt is not None:
             self.ckpt.save(round_end, self._cuts.pop(round_end))
+
+    def _record_wait(self, handle: RecvHandle, what: str) -> None:
+        if self.recorder is not None and handle.wait_s > 0:
+            end = time.time()
+            self.recorder.complete("recv", "wait", end - handle.wait_s, end, minibatch=handle.minibatch, what=what,
+                                   peer=handle.peer)
+
+    def _after_update(self, round_: int, done: int) -> None:
+        """Metrics record and progress bar, once per update."""
+        now = time.perf_counter()
+        s = self.stats
+        compute = s.forward_s + s.backward_s + s.update_s
+        last = self._mark or {"t": self._train_t0, "compute": 0.0, "wait": 0.0}
+        step_time = max(1e-9, now - last["t"])
+        d_compute, d_wait = compute - last["compute"], s.wait_s - last["wait"]
+        self._mark = {"t": now, "compute": compute, "wait": s.wait_s}
+        if self._bar is not None:
+            self._bar.update(done - self._bar.n)
+            if self.store is not None and now - self._bar_polled > 0.5:
+                self._bar_polled = now
+                try:
+                    if self.store.check(["loss"]):
+                        self._bar.set_postfix_str(f"loss {float(self.store.get('loss')):.4f}", refresh=False)
+                except Exception:  # the display must not stop training
+                    pass
+        if self.metrics is None:
+            return
+        record: dict[str, Any] = {
+            "rank": self.env.rank, "stage": self.stage_index, "attempt": self.env.restart_count, "update": round_,
+            "minibatches": done, "time": time.time(), "step_time_s": step_time, "compute_s": d_compute,
+            "wait_s": d_wait, "bubble_fraction": max(0.0, 1.0 - d_compute / step_time),
+            "restarts": self.env.restart_count, "redone": self.redone,
+        }
+        if self.is_last and self._losses:
+            record["loss"] = self._losses[-1][1]
+        if self.ckpt is not None:
+            record.update(self.ckpt.metrics())
+        self.metrics.write(record)
 
     def _record_progress(self, done: int, force: bool = False) -> None:
         """Let a restarted attempt know how far this one got (the last stage's replica 0 reports it)."""
         if self.store is None or not self.is_last or self.replica != 0:
             return
-        self._progress.report(done, force)
+        self._progress.report(done, force, self._losses[-1][1] if self._losses else None)
 
     def _log_resume(self) -> None:
+        """Say where this attempt resumes and how much work the failed one loses (it reported its progress)."""
         reached = None
         if self.store is not None and self.env.restart_count > 0:
             try:
                 if self.store.check(["progress"]):
                     reached = int(self.store.get("progress"))
-            except Exception:
+            except Exception:  # the store is informational here
                 reached = None
+        self.redone = max(0, reached - self.position) if reached is not None else 0
         if self.env.rank == 0:
-            redone = f"; the failed attempt had reached minibatch {reached}, so {max(0, reached - self.position)} " \
-                     f"minibatches are redone" if reached is not None else ""
+            redone = f"; the failed attempt had reached minibatch {reached}, so {self.redone} minibatches are redone" \
+                if reached is not None else ""
             log.warning("attempt %d resumes from committed checkpoint at minibatch %d (update %d)%s",
                         self.env.restart_count, self.position, self.versions.current.updates, redone)
             print(f"pipedream-ft: resumed from checkpoint {self.position} (attempt {self.env.restart_count})"
-                  + (f"; redoing {max(0, reached - self.position)} minibatches" if reached is not None else ""),
-                  flush=True)
+                  + (f"; redoing {self.redone} minibatches" if reached is not None else ""), flush=True)
 
     # -- checkpoint state -----------------------------------------------------------------------------------
 
@@ -645,12 +750,14 @@ class _ProgressReporter:
     def __init__(self, store: Any) -> None:
         self._store = store
         self._value: int | None = None
+        self._loss: float | None = None
         self._sent: int | None = None
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def report(self, done: int, force: bool = False) -> None:
+    def report(self, done: int, force: bool = False, loss: float | None = None) -> None:
         self._value = done
+        self._loss = loss
         if force:
             self._push()
         elif self._thread is None:
@@ -669,6 +776,8 @@ class _ProgressReporter:
                 return
             try:
                 self._store.set("progress", str(value))
+                if self._loss is not None:
+                    self._store.set("loss", repr(self._loss))
                 self._sent = value
             except Exception:  # progress is informational only
                 pass

@@ -58,7 +58,7 @@ class SaveHandle:
     and on the committer the commit record is written (or the commit was given up).
     """
 
-    __slots__ = ("step", "snapshot_s", "persist_s", "commit_s", "error", "committed", "_event")
+    __slots__ = ("step", "snapshot_s", "persist_s", "commit_s", "error", "committed", "finished_at", "_event")
 
     def __init__(self, step: int, snapshot_s: float) -> None:
         self.step: int = step
@@ -73,6 +73,8 @@ class SaveHandle:
         """Why the part was not persisted or the step not committed; ``None`` on success."""
         self.committed: bool | None = None
         """Committer only: whether the step is committed; ``None`` on other writers."""
+        self.finished_at: float | None = None
+        """Wall-clock time (``time.time()``) the handle became done."""
         self._event = threading.Event()
 
     def done(self) -> bool:
@@ -297,6 +299,7 @@ class CheckpointWriter:
         handle.error = error
         if self.is_committer and handle.committed is None:
             handle.committed = False
+        handle.finished_at = time.time()
         handle._event.set()
         with self._cond:
             self._outstanding -= 1
