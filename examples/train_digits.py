@@ -36,6 +36,8 @@ from examples.models import digits_cnn  # noqa: E402
 from partitioner.plan import Plan, load_plan  # noqa: E402
 from pipedream_ft.distributed import shutdown  # noqa: E402
 from pipedream_ft.errors import PipelineSetupError, exit_on_error  # noqa: E402
+from pipedream_ft.checkpointing import CheckpointConfig  # noqa: E402
+from pipedream_ft.policies import EveryNSteps  # noqa: E402
 from pipedream_ft.runtime import MODES, PipelineConfig, PipelineTrainer  # noqa: E402
 
 __all__ = ["DigitsData", "round_steps", "make_optimizer", "evaluate", "parse_args", "main"]
@@ -131,7 +133,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--flush-every", type=int, default=4, help="minibatches per optimizer step with --mode flush")
     p.add_argument("--seed", type=int, default=0, help="seeds the initial weights, the split and the shuffles")
     p.add_argument("--save", metavar="PATH", help="gather the final weights and save them here (torch.save)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a peer before failing")
+    p.add_argument("--timeout", type=float, default=45.0, help="seconds to wait for a peer before failing")
+    p.add_argument("--ckpt", metavar="URL", help="checkpoint to this fsspec URL (a directory, s3://bucket/prefix, ...) "
+                   "and resume from its newest committed checkpoint")
+    p.add_argument("--ckpt-every", type=int, default=25, help="minibatches between checkpoints (default 25)")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
@@ -139,6 +144,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--flush-every must be >= 1, got {args.flush_every}")
     if args.timeout <= 0:
         p.error(f"--timeout must be > 0, got {args.timeout}")
+    if args.ckpt_every < 1:
+        p.error(f"--ckpt-every must be >= 1, got {args.ckpt_every}")
     return args
 
 
@@ -156,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         loss_fn=nn.functional.cross_entropy,
         optimizer_factory=make_optimizer(args.optimizer, args.lr),
         config=PipelineConfig(mode=args.mode, flush_every=args.flush_every, timeout_s=args.timeout, seed=args.seed),
+        checkpoint=CheckpointConfig(url=args.ckpt, policy=EveryNSteps(args.ckpt_every)) if args.ckpt else None,
     )
     rank = trainer.env.rank
     if rank == 0:
@@ -163,16 +171,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"plan {args.plan}: {plan.num_stages} stages, replicas {replicas}, world {plan.world_size}; "
               f"mode {args.mode}; {steps} minibatches of {args.batch_size}"
               + (f" (rounded down from {args.steps})" if steps != args.steps else ""), flush=True)
-    result = trainer.train(data, steps)
+    result = trainer.fit(data, steps)  # continues from the newest committed checkpoint, if any
     state = trainer.full_state_dict()
+    trainer.close()
     if rank == 0:
         losses = result.losses
         for end in range(LOG_EVERY, len(losses) + 1, LOG_EVERY):
-            print(f"minibatch {end:5d}  loss {np.mean(losses[end - LOG_EVERY:end]):.4f}", flush=True)
+            print(f"minibatch {result.start + end:5d}  loss {np.mean(losses[end - LOG_EVERY:end]):.4f}", flush=True)
+        if not losses:
+            print(f"nothing to train: the checkpoint is already at minibatch {trainer.position}", flush=True)
+            shutdown()
+            return 0
         window = min(LOG_EVERY, len(losses))
         first, last = float(np.mean(losses[:window])), float(np.mean(losses[-window:]))
         accuracy = evaluate(state, data.test_x, data.test_y)
-        rate = steps / result.seconds if result.seconds > 0 else float("inf")
+        rate = len(losses) / result.seconds if result.seconds > 0 else float("inf")
         print(f"first loss {first:.4f}")
         print(f"final loss {last:.4f}")
         print(f"held-out accuracy {accuracy:.4f} ({len(data.test_y)} images)")

@@ -246,12 +246,15 @@ class Messenger:
         self._unresolved.discard(peer)
 
     def _wait(self, work: Any, what: str, peer: int) -> None:
+        self.wait(work, f"{what} with rank {peer}")
+
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for ``work`` at most the timeout; raise :class:`PeerTimeoutError` naming ``what`` otherwise."""
         try:
             ok = work.wait(self.timeout)
         except Exception as exc:  # backends raise their own error types on timeout or a dead peer
             raise PeerTimeoutError(
-                f"{what} with rank {peer} failed or timed out after {self.timeout.total_seconds():.0f}s: "
-                f"{_backend_reason(exc)}"
+                f"{what} failed or timed out after {self.timeout.total_seconds():.0f}s: {_backend_reason(exc)}"
             ) from None
         if ok is False:
-            raise PeerTimeoutError(f"{what} with rank {peer} timed out after {self.timeout.total_seconds():.0f}s")
+            raise PeerTimeoutError(f"{what} timed out after {self.timeout.total_seconds():.0f}s")

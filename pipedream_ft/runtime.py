@@ -578,7 +578,8 @@ class PipelineTrainer:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in live]
             flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([mark], device=self.device)])
             work = dist.all_reduce(flat, group=self._replica_group, async_op=True)
-            self.messenger._wait(work, f"gradient all-reduce of update {round_}", self.plan.stages[self.stage_index].ranks[0])
+            self.messenger.wait(work, f"gradient all-reduce of update {round_} among replicas "
+                                      f"{list(self.plan.stages[self.stage_index].ranks)}")
             marks = flat[-1:]
             flat = flat[:-1]
             if self.config.mode != "flush":

@@ -1,0 +1,322 @@
+"""Draw a merged timeline (see :mod:`pipedream_ft.timeline`) as a PNG, like the PipeDream paper's pipeline figures.
+
+One row per rank, time running to the right in seconds from the first event: forward passes in blue, backward
+passes in green (each labelled with its minibatch number where the box is wide enough), weight updates as
+small dark boxes, checkpoints as an orange hatched band at the foot of the row, receive waits in light grey
+behind everything, and a red dashed line across all rows at the start of every restarted attempt.
+
+:func:`summarize` and :func:`clip_trace` work on the trace alone and need no matplotlib.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+import sys
+import tempfile
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "FORWARD_COLOR",
+    "BACKWARD_COLOR",
+    "UPDATE_COLOR",
+    "CHECKPOINT_COLOR",
+    "WAIT_COLOR",
+    "RESTART_COLOR",
+    "Restart",
+    "TraceSummary",
+    "summarize",
+    "clip_trace",
+    "draw_timeline",
+]
+
+FORWARD_COLOR = "#4c72b0"
+BACKWARD_COLOR = "#55a868"
+UPDATE_COLOR = "#2f2f2f"
+CHECKPOINT_COLOR = "#f28e2b"
+WAIT_COLOR = "#d9d9d9"
+RESTART_COLOR = "#d62728"
+
+_DPI = 100
+_ROW_PX = 46
+_LABEL_PT = 7.0
+
+
+@dataclass(frozen=True)
+class Restart:
+    """The start of an attempt that did not begin from scratch at attempt 0."""
+
+    attempt: int
+    resumed_from: int | None
+    time_us: float
+
+    def label(self) -> str:
+        origin = f"from checkpoint {self.resumed_from}" if self.resumed_from is not None else "from scratch"
+        return f"restart (attempt {self.attempt}, {origin})"
+
+
+@dataclass
+class TraceSummary:
+    """What a trace holds, in a few numbers."""
+
+    ranks: list[int] = field(default_factory=list)
+    stages: list[int] = field(default_factory=list)
+    attempts: list[int] = field(default_factory=list)
+    minibatches: set[int] = field(default_factory=set)
+    restarts: list[Restart] = field(default_factory=list)
+    events: int = 0
+    span_s: float = 0.0
+
+    def line(self) -> str:
+        """One line: ranks, stages, attempts, minibatches seen, restarts and time span."""
+        mb = sorted(self.minibatches)
+        seen = f"{len(mb)} minibatches seen" + (f" ({mb[0]}-{mb[-1]})" if mb else "")
+        if self.restarts:
+            rs = "; ".join(f"attempt {r.attempt} from " + (f"checkpoint {r.resumed_from}" if r.resumed_from is not None
+                                                           else "scratch") for r in self.restarts)
+            restarts = f"{len(self.restarts)} restart{'s' if len(self.restarts) != 1 else ''} ({rs})"
+        else:
+            restarts = "0 restarts"
+        return (f"{_plural(len(self.ranks), 'rank')} ({_plural(len(self.stages), 'stage')}), "
+                f"{_plural(len(self.attempts), 'attempt')}, {seen}, {restarts}, "
+                f"{self.events} events over {self.span_s:.3f} s")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _timed(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """The trace's events that have a time (everything but metadata)."""
+    return [e for e in trace.get("traceEvents", []) if isinstance(e, dict) and e.get("ph") != "M"
+            and isinstance(e.get("ts"), (int, float))]
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _restarts(events: list[dict[str, Any]]) -> list[Restart]:
+    first: dict[int, tuple[float, int | None]] = {}
+    for e in events:
+        if e.get("ph") != "i" or e.get("name") != "start":
+            continue
+        args = e.get("args") or {}
+        attempt = _int(args.get("attempt"))
+        if attempt is None:
+            attempt = _int(e.get("tid")) or 0
+        ts = float(e["ts"])
+        if attempt not in first or ts < first[attempt][0]:
+            first[attempt] = (ts, _int(args.get("resumed_from")))
+    return [Restart(a, rf, ts) for a, (ts, rf) in sorted(first.items()) if a > 0 or rf is not None]
+
+
+def _span(events: list[dict[str, Any]]) -> tuple[float, float]:
+    if not events:
+        return 0.0, 0.0
+    lo = min(float(e["ts"]) for e in events)
+    hi = max(float(e["ts"]) + float(e.get("dur") or 0.0) for e in events)
+    return lo, hi
+
+
+def summarize(trace: dict[str, Any]) -> TraceSummary:
+    """Ranks, stages, attempts, minibatches and restarts found in a merged trace."""
+    events = _timed(trace)
+    s = TraceSummary(events=len(events))
+    ranks, stages, attempts = set(), set(), set()
+    for e in events:
+        args = e.get("args") or {}
+        if (pid := _int(e.get("pid"))) is not None:
+            ranks.add(pid)
+        if (stage := _int(args.get("stage"))) is not None:
+            stages.add(stage)
+        attempt = _int(args.get("attempt"))
+        attempts.add(attempt if attempt is not None else _int(e.get("tid")) or 0)
+        if e.get("cat") in ("forward", "backward") and (b := _int(args.get("minibatch"))) is not None:
+            s.minibatches.add(b)
+    s.ranks, s.stages, s.attempts = sorted(ranks), sorted(stages), sorted(attempts)
+    s.restarts = _restarts(events)
+    lo, hi = _span(events)
+    s.span_s = (hi - lo) / 1e6
+    return s
+
+
+def clip_trace(trace: dict[str, Any], last_s: float) -> dict[str, Any]:
+    """The trace cut to its last ``last_s`` seconds: events that end in that window (metadata kept)."""
+    if not last_s > 0:
+        raise ValueError(f"last_s must be positive, got {last_s}")
+    events = _timed(trace)
+    _, hi = _span(events)
+    cut = hi - last_s * 1e6
+    meta = [e for e in trace.get("traceEvents", []) if isinstance(e, dict) and e.get("ph") == "M"]
+    kept = [e for e in events if float(e["ts"]) + float(e.get("dur") or 0.0) >= cut]
+    return {**trace, "traceEvents": meta + kept}
+
+
+def _row_labels(trace: dict[str, Any], events: list[dict[str, Any]]) -> dict[int, str]:
+    """``"rank R · stage S"`` for every rank, from the events' args, else from the metadata's process name."""
+    stages: dict[int, Counter[int]] = defaultdict(Counter)
+    replicas: dict[int, set[int]] = defaultdict(set)
+    for e in events:
+        pid = _int(e.get("pid"))
+        if pid is None:
+            continue
+        args = e.get("args") or {}
+        stages[pid]  # every rank gets a row, even one with no stage in its args
+        if (st := _int(args.get("stage"))) is not None:
+            stages[pid][st] += 1
+        if (rp := _int(args.get("replica"))) is not None:
+            replicas[pid].add(rp)
+    names = {e.get("pid"): (e.get("args") or {}).get("name") for e in trace.get("traceEvents", [])
+             if isinstance(e, dict) and e.get("ph") == "M" and e.get("name") == "process_name"}
+    labels = {}
+    for pid, counts in stages.items():
+        if counts:
+            label = f"rank {pid} · stage " + "/".join(str(s) for s in sorted(counts))
+            if replicas[pid] - {0}:
+                label += " · replica " + "/".join(str(r) for r in sorted(replicas[pid]))
+        elif isinstance(names.get(pid), str):
+            label = names[pid]
+        else:
+            label = f"rank {pid}"
+        labels[pid] = label
+    return labels
+
+
+def _png_size(path: str | os.PathLike[str]) -> tuple[int, int]:
+    with open(path, "rb") as f:
+        head = f.read(24)
+    if head[:8] != b"\x89PNG\r\n\x1a\n":
+        raise ValueError(f"{path} is not a PNG")
+    width, height = struct.unpack(">II", head[16:24])
+    return width, height
+
+
+def draw_timeline(trace: dict[str, Any], path: str | os.PathLike[str], *, width_px: int = 1600,
+                  height_px: int | None = None, title: str | None = None) -> tuple[int, int]:
+    """Draw ``trace`` (a merged trace, ``{"traceEvents": [...]}``) into the PNG ``path``; return its pixel size.
+
+    The file is written atomically: on any error ``path`` is left as it was. The height defaults to one
+    ``_ROW_PX``-pixel row per rank plus room for the title, axis and legend.
+    """
+    if width_px < 200:
+        raise ValueError(f"width_px must be at least 200, got {width_px}")
+    if height_px is not None and height_px < 150:
+        raise ValueError(f"height_px must be at least 150, got {height_px}")
+    import matplotlib
+
+    if "matplotlib.pyplot" not in sys.modules:  # leave an interactive session's backend alone
+        matplotlib.use("Agg")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    from matplotlib.transforms import blended_transform_factory
+
+    events = _timed(trace)
+    labels = _row_labels(trace, events)
+    ranks = sorted(labels)
+    row = {r: i for i, r in enumerate(ranks)}
+    n = max(1, len(ranks))
+    if height_px is None:
+        height_px = max(240, 150 + (40 if title else 0) + _ROW_PX * n)
+    t0, t1 = _span(events)
+    span = max((t1 - t0) / 1e6, 1e-6)
+
+    # boxes[(rank, cat)] = [(x, w), ...] in seconds; texts for forward/backward minibatch labels
+    boxes: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    texts: list[tuple[float, float, int, str]] = []  # x, w, row, label
+    for e in events:
+        if e.get("ph") != "X" or (pid := _int(e.get("pid"))) not in row:
+            continue
+        cat = e.get("cat")
+        if cat not in ("forward", "backward", "update", "checkpoint", "wait"):
+            continue
+        x, w = (float(e["ts"]) - t0) / 1e6, float(e.get("dur") or 0.0) / 1e6
+        boxes[(pid, cat)].append((x, w))
+        if cat in ("forward", "backward"):
+            b = _int((e.get("args") or {}).get("minibatch"))
+            texts.append((x, w, row[pid], str(b) if b is not None else str(e.get("name", ""))))
+
+    fig = Figure(figsize=(width_px / _DPI, height_px / _DPI), dpi=_DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    # y bands inside a row (row i spans [i, i + 1], drawn top to bottom)
+    bands = {"wait": (0.38, 0.24), "forward": (0.08, 0.72), "backward": (0.08, 0.72),
+             "update": (0.26, 0.36), "checkpoint": (0.82, 0.16)}
+    style: dict[str, dict[str, Any]] = {
+        "wait": {"facecolors": WAIT_COLOR, "linewidth": 0, "zorder": 1},
+        "forward": {"facecolors": FORWARD_COLOR, "zorder": 2},
+        "backward": {"facecolors": BACKWARD_COLOR, "zorder": 2},
+        "update": {"facecolors": UPDATE_COLOR, "linewidth": 0, "zorder": 3},
+        "checkpoint": {"facecolors": CHECKPOINT_COLOR, "edgecolors": "#8a4b0f", "hatch": "////", "linewidth": 0.5,
+                       "zorder": 4},
+    }
+    ax.set_xlim(-0.01 * span, span * 1.01)
+    ax.set_ylim(n, 0)
+    fig.draw_without_rendering()  # lay out once to learn the axes' width in pixels
+    px_per_s = ax.get_window_extent().width / (span * 1.02)
+    for (pid, cat), spans in boxes.items():
+        kw = dict(style[cat])
+        if cat in ("forward", "backward"):
+            dense = len(spans) * 6 > px_per_s * span  # boxes under ~6 px on average: edges would drown them
+            kw.update(edgecolors="white", linewidth=0 if dense else 0.6)
+        if cat == "update":
+            # at least ~2 px wide, so that every update shows as a tick however short it was
+            spans = [(x, max(w, 2.0 / px_per_s)) for x, w in spans]
+        y, h = bands[cat]
+        ax.broken_barh(spans, (row[pid] + y, h), **kw)
+
+    char_px = 0.62 * _LABEL_PT * _DPI / 72
+    for x, w, r, text in texts:
+        if w * px_per_s >= len(text) * char_px + 4:
+            ax.text(x + w / 2, r + 0.44, text, ha="center", va="center", fontsize=_LABEL_PT, color="white",
+                    zorder=5, clip_on=True)
+
+    restarts = _restarts(events)
+    top = blended_transform_factory(ax.transData, ax.transAxes)
+    for rs in restarts:
+        x = (rs.time_us - t0) / 1e6
+        ax.axvline(x, color=RESTART_COLOR, linestyle="--", linewidth=1.5, zorder=6)
+        ax.text(x, 0.995, " " + rs.label(), transform=top, ha="left", va="top", fontsize=8, color=RESTART_COLOR,
+                zorder=7, bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1.0})
+
+    ax.set_yticks([i + 0.5 for i in range(len(ranks))], [labels[r] for r in ranks])
+    ax.tick_params(axis="y", length=0)
+    ax.set_xlabel("time (s) since the first event")
+    ax.grid(axis="x", color="#eeeeee", linewidth=0.8, zorder=0)
+    ax.set_axisbelow(True)
+    for i in range(1, n):
+        ax.axhline(i, color="#bbbbbb", linewidth=0.5, zorder=0)
+    if not ranks:
+        ax.text(0.5, 0.5, "no events", transform=ax.transAxes, ha="center", va="center", color="#888888")
+    present = {cat for _, cat in boxes}
+    handles = [Patch(facecolor=FORWARD_COLOR, label="forward (minibatch)"),
+               Patch(facecolor=BACKWARD_COLOR, label="backward (minibatch)"),
+               Patch(facecolor=UPDATE_COLOR, label="weight update")]
+    if "checkpoint" in present:
+        handles.append(Patch(facecolor=CHECKPOINT_COLOR, edgecolor="#8a4b0f", hatch="////", label="checkpoint"))
+    if "wait" in present:
+        handles.append(Patch(facecolor=WAIT_COLOR, label="waiting to receive"))
+    if restarts:
+        handles.append(Line2D([], [], color=RESTART_COLOR, linestyle="--", linewidth=1.5, label="restart"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.16 if n < 3 else -0.1),
+              ncol=len(handles), frameon=False, fontsize=8)
+    if title:
+        fig.suptitle(title)
+
+    out = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png", dpi=_DPI)
+        size = _png_size(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return size
