@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from .checkpoint import (CheckpointError, CheckpointWriter, CorruptCheckpointError, Storage, check_compatible,
-                         list_committed, load_part, read_commit)
+from .checkpoint import (CheckpointError, CheckpointWriter, CorruptCheckpointError, Storage, list_committed,
+                         load_part, read_commit)
+from .elastic import store_profile
 from .checkpoint.format import part_data_path
 from .errors import PipelineError
 from .faults import FaultInjector
@@ -107,7 +108,10 @@ class Checkpointer:
         parts = [f"stage{s.index}-replica{i}" for s in plan.stages for i in range(s.replicas)]
         self.plan_hash = plan_hash(trainer)
         self.metadata = {"plan_hash": self.plan_hash, "profile_hash": plan.profile_hash,
-                         "world_size": plan.world_size, "num_stages": plan.num_stages}
+                         "world_size": plan.world_size, "num_stages": plan.num_stages,
+                         "stages": [[list(s.layers), s.replicas] for s in plan.stages]}
+        if trainer.profile is not None and trainer.env.rank == 0:
+            store_profile(self.storage, trainer.profile)
         self.writer = CheckpointWriter(self.storage, self.part, expected_parts=parts,
                                        is_committer=trainer.env.rank == 0, keep=config.keep,
                                        commit_timeout_s=config.commit_timeout_s, metadata=self.metadata)
@@ -140,34 +144,50 @@ class Checkpointer:
         steps: list[Any] = [list_committed(self.storage) if self.t.env.rank == 0 else None]
         dist.broadcast_object_list(steps, src=0)
         for step in reversed(steps[0]):
-            state = None
+            parts: list[dict[str, Any]] = []
             problem = ""
+            resharded = False
             try:
                 record = read_commit(self.storage, step)
-                check_compatible(record, plan_hash=self.plan_hash)
-                state = load_part(self.storage, step, self.part, record=record)
+                meta = record.metadata
+                if meta.get("plan_hash") == self.plan_hash:
+                    parts = [load_part(self.storage, step, self.part, record=record)]
+                elif meta.get("profile_hash") == self.t.plan.profile_hash and "stages" in meta:
+                    resharded = True  # written under another plan of the same model: gather my layers
+                    mine = set(self.t.plan.stages[self.t.stage_index].layers)
+                    for index, (layers, _replicas) in enumerate(meta["stages"]):
+                        if mine & set(layers) or (index == 0 and self.t.extra_state):
+                            parts.append(load_part(self.storage, step, f"stage{index}-replica0", record=record))
+                else:
+                    raise CheckpointError(
+                        f"checkpoint {step} in {self.storage.url} was written for another model (profile hash "
+                        f"{str(meta.get('profile_hash'))[:12]}, this model's {self.t.plan.profile_hash[:12]}); "
+                        "use another checkpoint directory"
+                    )
             except CorruptCheckpointError as exc:
                 problem = str(exc)
-            except CheckpointError as exc:
-                if "plan_hash" in str(exc):
-                    raise CheckpointError(
-                        f"checkpoint {step} in {self.storage.url} was written for another plan or model "
-                        f"({exc}); use another checkpoint directory or the same plan"
-                    ) from None
-                raise
             flags = [None] * self.t.env.world_size
             dist.all_gather_object(flags, problem)
             bad = [f for f in flags if f]
             if bad:
                 log.warning("checkpoint %d is not usable (%s); trying an older one", step, bad[0])
                 continue
-            assert state is not None
-            self.t._restore_state(state)
-            self.last_cut = step
-            self.config.policy.reset(time.monotonic(), step)
-            return step
+            if resharded:
+                old = [[len(l), r] for l, r in record.metadata["stages"]]
+                start = self.t._restore_resharded(parts, step)
+                if self.t.env.rank == 0:
+                    msg = (f"checkpoint {step} was written by a {len(old)}-stage plan on "
+                           f"{record.metadata.get('world_size')} workers; resharded into "
+                           f"{self.t.plan.num_stages} stages on {self.t.env.world_size} workers")
+                    log.warning(msg)
+                    print(f"pipedream-ft: {msg}", flush=True)
+            else:
+                self.t._restore_state(parts[0])
+                start = step
+            self.last_cut = start
+            self.config.policy.reset(time.monotonic(), start)
+            return start
         return None
-
     # -- deciding (stage 0) ---------------------------------------------------------------------------------
 
     def flags_for(self, b: int) -> tuple[bool, bool]:

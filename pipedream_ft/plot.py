@@ -10,7 +10,6 @@ behind everything, and a red dashed line across all rows at the start of every r
 
 from __future__ import annotations
 
-import math
 import os
 import struct
 import sys
@@ -304,8 +303,8 @@ def draw_timeline(trace: dict[str, Any], path: str | os.PathLike[str], *, width_
         handles.append(Patch(facecolor=WAIT_COLOR, label="waiting to receive"))
     if restarts:
         handles.append(Line2D([], [], color=RESTART_COLOR, linestyle="--", linewidth=1.5, label="restart"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.16 if n < 3 else -0.1),
-              ncol=len(handles), frameon=False, fontsize=8)
+    ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(handles), frameon=False,
+              fontsize=8, borderaxespad=0.2)
     if title:
         fig.suptitle(title)
 

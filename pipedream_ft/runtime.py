@@ -42,6 +42,9 @@ from .faults import FaultInjector
 from .metrics import MetricsWriter, summary_table
 from .timeline import TimelineRecorder
 from .watchdog import Watchdog
+from .checkpoint import Storage
+from .elastic import describe_plan, load_stored_profile, merge_parts, replan
+from profiler.profile import Profile
 
 __all__ = ["MODES", "PipelineConfig", "RankStats", "TrainResult", "PipelineTrainer"]
 
@@ -154,7 +157,10 @@ class PipelineTrainer:
         env: DistEnv | None = None,
         checkpoint: CheckpointConfig | None = None,
         extra_state: dict[str, Any] | None = None,
+        profile: Profile | None = None,
     ) -> None:
+        """``profile`` (the model's profile) lets a job whose world size changed re-plan; with checkpointing it is
+        also stored beside the checkpoints, so later attempts can re-plan without it."""
         self.config = config or PipelineConfig()
         self.timeline: dict[str, float] = {"start": time.time()}
         """Wall-clock times of this attempt's milestones: start, joined, restored, first_update."""
@@ -162,7 +168,6 @@ class PipelineTrainer:
         self.timeline["joined"] = time.time()
         self.backend = dist.get_backend()
         self.device = default_device(self.env, self.backend)
-        self.plan = plan
         if not isinstance(model, nn.Module):
             model = model()
         ml = model_layers(model)
@@ -171,7 +176,15 @@ class PipelineTrainer:
             from profiler.layers import structure_profile
 
             model_hash = structure_profile(model).structure_hash()
+        self.profile = profile
+        if profile is not None and profile.structure_hash() != plan.profile_hash:
+            raise PlanError(f"the profile (hash {profile.structure_hash()[:12]}) is not the plan's model "
+                            f"(hash {plan.profile_hash[:12]})")
+        self.original_plan = plan
+        if plan.world_size != self.env.world_size and len(ml.names) == plan.num_layers:
+            plan = self._replan(plan, checkpoint)
         plan.check_fits(profile_hash=model_hash, num_layers=len(ml.names), world_size=self.env.world_size)
+        self.plan = plan
         self.replicas = [s.replicas for s in plan.stages]
         if self.config.mode == "vertical" and len(set(self.replicas)) > 1:
             raise PlanError(f"vertical sync needs one replica count on every stage, the plan has {self.replicas}")
@@ -225,6 +238,24 @@ class PipelineTrainer:
             self._log_resume()
 
     # -- set-up ---------------------------------------------------------------------------------------------
+
+    def _replan(self, plan: Plan, checkpoint: CheckpointConfig | None) -> Plan:
+        """The world size is not the plan's: plan again for it (see :mod:`pipedream_ft.elastic`)."""
+        profile = self.profile
+        if profile is None:
+            if checkpoint is None:
+                raise PlanError(f"plan needs {plan.world_size} workers, but the world size is {self.env.world_size} "
+                                "(pass profile= to re-plan for the new size)")
+            profile = load_stored_profile(Storage(checkpoint.url, checkpoint.storage_options))
+            if profile.structure_hash() != plan.profile_hash:
+                raise PipelineSetupError("the profile stored with the checkpoints is not this plan's model")
+        new = replan(profile, self.env.world_size, plan.settings)
+        if self.env.rank == 0:
+            msg = (f"world size {self.env.world_size} differs from the plan's {plan.world_size}: re-planned from "
+                   f"{describe_plan(plan)} to {describe_plan(new)}")
+            log.warning(msg)
+            print(f"pipedream-ft: {msg}", flush=True)
+        return new
 
     def _versions_kept(self) -> int:
         if self.config.mode == "flush":
@@ -680,6 +711,7 @@ class PipelineTrainer:
             "replica": self.replica,
             "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "param_names": list(self._param_names),
             "versions": versions,
             "rng": torch.get_rng_state(),
             "extra": {name: obj.state_dict() for name, obj in self.extra_state.items()},
@@ -687,6 +719,32 @@ class PipelineTrainer:
         if self.device.type == "cuda":
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         return state
+
+    def _restore_resharded(self, parts: list[dict[str, Any]], cut: int) -> int:
+        """Load the checkpoint at ``cut`` written under another plan: gather this stage's layers from the old
+        stages' ``parts``. The pipeline restarts at the first minibatch >= ``cut`` that every new stage's
+        replica count divides; returns it."""
+        merged = merge_parts(parts, self._param_names, list(self.module.state_dict()))
+        self.module.load_state_dict(merged["model"])
+        self.optimizer.load_state_dict(merged["optimizer"])
+        lcm = math.lcm(*self.replicas)
+        if self.config.mode == "flush":
+            lcm = math.lcm(lcm, self.config.flush_every)
+        start = -(-cut // lcm) * lcm
+        if start != cut and self.env.rank == 0:
+            log.warning("the new plan's replica counts need a start at a multiple of %d: minibatches %d..%d are "
+                        "skipped", lcm, cut, start - 1)
+        self.versions = VersionStore(self.params, updates=start // self.replicas[self.stage_index],
+                                     keep=self._versions_kept())
+        self.versions.floor = self.versions.current.updates
+        self.position = start
+        torch.set_rng_state(parts[0]["rng"])
+        for name, obj in self.extra_state.items():
+            source = next((p["extra"][name] for p in parts if name in p.get("extra", {})), None)
+            if source is None:
+                raise PipelineSetupError(f"checkpoint has no extra state {name!r}")
+            obj.load_state_dict(source)
+        return start
 
     def _restore_state(self, state: dict[str, Any]) -> None:
         if state.get("stage") != self.stage_index or state.get("replica") != self.replica:

@@ -47,6 +47,9 @@ class VersionStore:
             raise ValueError(f"keep must be >= 0, got {keep}")
         self._params = list(params)
         self.keep = keep
+        self.floor = 0
+        """Versions older than this were never kept (the pipeline was re-planned here): asking for one gives the
+        version at the floor."""
         self.history: dict[int, Version] = {}
         self.current = self._snapshot(updates)
 
@@ -65,6 +68,7 @@ class VersionStore:
 
     def get(self, updates: int) -> Version:
         """The version after ``updates`` updates."""
+        updates = max(updates, self.floor)
         if updates == self.current.updates:
             return self.current
         try:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime_cases import MODELS, OPTIMIZERS, data, plan_for
+from runtime_cases import MODELS, OPTIMIZERS, data, plan_for, timed_profile
 
 
 class Counter:
@@ -24,7 +24,8 @@ class Counter:
 
 
 def checkpointed_case(url: str, stages: list[list[int]], replicas: list[int] | None, total: int,
-                      stop_at: int | None, every: int, mode: str = "stash", opt: str = "adam") -> dict[str, Any]:
+                      stop_at: int | None, every: int, mode: str = "stash", opt: str = "adam",
+                      elastic: bool = False) -> dict[str, Any]:
     """Train to ``total`` minibatches (or only to ``stop_at``, as if the job died there), checkpointing
     every ``every`` minibatches, resuming from ``url`` if it holds a checkpoint."""
     from pipedream_ft.checkpointing import CheckpointConfig
@@ -32,12 +33,13 @@ def checkpointed_case(url: str, stages: list[list[int]], replicas: list[int] | N
     from pipedream_ft.runtime import PipelineConfig, PipelineTrainer
 
     model = MODELS["mlp"]()
-    plan = plan_for(model, stages, replicas)
+    settings = {"workers": [len(stages)], "bandwidth": [1e9], "straight": True} if elastic else None
+    plan = plan_for(model, stages, replicas, settings)
     counter = Counter()
     trainer = PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=OPTIMIZERS[opt],
                               config=PipelineConfig(mode=mode, flush_every=4, timeout_s=60),
                               checkpoint=CheckpointConfig(url=url, policy=EveryNSteps(every)),
-                              extra_state={"counter": counter})
+                              extra_state={"counter": counter}, profile=timed_profile(model) if elastic else None)
     resumed = trainer.resumed_from
     target = stop_at if stop_at is not None else total
     result = trainer.train(data, target - trainer.position)
@@ -46,4 +48,20 @@ def checkpointed_case(url: str, stages: list[list[int]], replicas: list[int] | N
         trainer.ckpt.writer.flush(timeout=60)
     state = trainer.full_state_dict()
     trainer.close()
-    return {"state": state, "losses": result.losses, "resumed": resumed, "counter": counter.value}
+    return {"state": state, "losses": result.losses, "resumed": resumed, "counter": counter.value,
+            "stages": [list(s.layers) for s in trainer.plan.stages], "position": trainer.position}
+
+
+def elastic_bad_case(url: str, kind: str) -> None:
+    """A resized start that cannot go on: no profile anywhere, or no plan fits the memory limit."""
+    from pipedream_ft.checkpointing import CheckpointConfig
+    from pipedream_ft.runtime import PipelineConfig, PipelineTrainer
+
+    model = MODELS["mlp"]()
+    settings = {"workers": [4], "bandwidth": [1e9], "straight": True}
+    if kind == "memory":
+        settings["memory_bytes"] = 1000.0
+    plan = plan_for(model, [[0, 1], [2, 3], [4, 5], [6, 7, 8]], None, settings)
+    PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=OPTIMIZERS["adam"],
+                    config=PipelineConfig(timeout_s=30), checkpoint=CheckpointConfig(url=url),
+                    profile=timed_profile(model) if kind == "memory" else None)

@@ -49,9 +49,10 @@ def weight_stashing_reference(
             v = max(0, b - (S - 1)) if vertical else max(0, b - (S - 1 - s))
             params = [t.clone().requires_grad_(True) for t in versions[s][v]]
             used.append(params)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(_mix(seed, s, b))
-                out = functional_call(st, dict(zip(names[s], params)), tuple(xs))
+            saved = torch.default_generator.get_state()
+            torch.default_generator.manual_seed(_mix(seed, s, b))
+            out = functional_call(st, dict(zip(names[s], params)), tuple(xs))
+            torch.default_generator.set_state(saved)
             xs = list(out) if s < S - 1 else [out]
         loss = loss_fn(xs[0], data(b)[1])
         losses.append(float(loss.detach()))
@@ -95,3 +96,64 @@ def minibatch_sgd_reference(
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def elastic_reference(
+    model_fn: Callable[[], nn.Module],
+    segments: list[tuple[Plan, int, int]],
+    data: Callable[[int], tuple[Any, Any]],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    *,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Straight-pipeline weight stashing over a sequence of plans: ``segments[i] = (plan, start, stop)``.
+
+    Each segment starts from the previous one's weights and per-parameter optimizer state; within it, stage s
+    of its S stages uses the weights after max(start, b - (S - 1 - s)) updates for minibatch b (a re-planned
+    pipeline has no older versions to stash from).
+    """
+    model = model_fn()
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opt_state: dict[str, Any] = {}
+    for plan, start, stop in segments:
+        S = plan.num_stages
+        m = model_fn()
+        m.load_state_dict(weights)
+        ml = model_layers(m)
+        stages = [build_stage(ml, plan, s) for s in range(S)]
+        names = [[n for n, _ in st.named_parameters()] for st in stages]
+        live = [list(st.parameters()) for st in stages]
+        opts = [optimizer_factory(p) for p in live]
+        for s, opt in enumerate(opts):
+            sd = opt.state_dict()
+            sd["state"] = {i: opt_state[n] for i, n in enumerate(names[s]) if n in opt_state}
+            opt.load_state_dict(sd)
+        versions: list[dict[int, list[torch.Tensor]]] = [{start: [p.detach().clone() for p in lv]} for lv in live]
+        for b in range(start, stop):
+            xs: list[Any] = [data(b)[0]]
+            used = []
+            for s, st in enumerate(stages):
+                v = max(start, b - (S - 1 - s))
+                params = [t.clone().requires_grad_(True) for t in versions[s][v]]
+                used.append(params)
+                saved = torch.default_generator.get_state()
+                torch.default_generator.manual_seed(_mix(seed, s, b))
+                out = functional_call(st, dict(zip(names[s], params)), tuple(xs))
+                torch.default_generator.set_state(saved)
+                xs = list(out) if s < S - 1 else [out]
+            loss = loss_fn(xs[0], data(b)[1])
+            grads = torch.autograd.grad(loss, [t for ps in used for t in ps], allow_unused=True)
+            k = 0
+            for s in range(S):
+                for p in live[s]:
+                    p.grad = None if grads[k] is None else grads[k].detach()
+                    k += 1
+                opts[s].step()
+                opts[s].zero_grad(set_to_none=True)
+                versions[s][b + 1] = [p.detach().clone() for p in live[s]]
+        for s, st in enumerate(stages):
+            weights.update({k: v.detach().clone() for k, v in st.state_dict().items()})
+            for i, entry in opts[s].state_dict()["state"].items():
+                opt_state[names[s][i]] = entry
+    return weights

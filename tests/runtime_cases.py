@@ -42,10 +42,23 @@ def data(b: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(6, 12, generator=g), torch.randint(0, 5, (6,), generator=g)
 
 
-def plan_for(model: nn.Module, stage_layers: list[list[int]], replicas: list[int] | None = None) -> Plan:
+def plan_for(model: nn.Module, stage_layers: list[list[int]], replicas: list[int] | None = None,
+             settings: dict | None = None) -> Plan:
     prof = structure_profile(model)
     return Plan.from_stages(stage_layers, replicas or [1] * len(stage_layers), profile_hash=prof.structure_hash(),
-                            layer_names=[l.name for l in prof.layers])
+                            layer_names=[l.name for l in prof.layers], settings=settings)
+
+
+def timed_profile(model: nn.Module):
+    """The model's structure with made-up, deterministic costs (the same on every rank)."""
+    from dataclasses import replace
+
+    from profiler.profile import Profile
+
+    prof = structure_profile(model)
+    layers = tuple(replace(l, forward_ms=1.0 + (i % 3), backward_ms=2.0 + (i % 2), activation_bytes=4096.0)
+                   for i, l in enumerate(prof.layers))
+    return Profile(layers, prof.edges, dict(prof.meta))
 
 
 def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:

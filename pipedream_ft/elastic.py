@@ -1,0 +1,116 @@
+"""Elastic training: re-plan when the number of workers changes, and reshard a checkpoint into the new stages.
+
+When torchrun restarts the group with another world size (``--nnodes=MIN:MAX``), the plan the job started with
+no longer fits. The runtime then re-runs PipeDream's partitioner on the profile — the one given to the trainer,
+or the copy stored with the checkpoints — for the new worker count, with the plan's own settings (bandwidth,
+straight, memory limit). A hierarchical plan is re-planned as one level at its slowest bandwidth, since the new
+workers' placement is unknown.
+
+Checkpoint parts are addressable by layer: each part names its parameters (original model keys) and keeps its
+optimizer state per parameter, so any partition can gather its layers' weights and optimizer state from
+whichever old stages held them. At a re-plan the new pipeline starts from the checkpoint's weights: its warm-up
+forwards use those weights (there is no stash of the old partition to reuse), and from then on PipeDream's
+semantics hold for the new stage count.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Sequence
+
+from partitioner.plan import Plan, PlanError
+from profiler.profile import Profile, ProfileError
+
+from .checkpoint import CheckpointError, Storage
+from .errors import PipelineSetupError
+
+__all__ = ["PROFILE_FILE", "replan", "store_profile", "load_stored_profile", "merge_parts", "describe_plan"]
+
+log = logging.getLogger(__name__)
+
+PROFILE_FILE = "profile.json"
+"""Where, under the checkpoint URL, the model's profile is kept for re-planning."""
+
+
+def describe_plan(plan: Plan) -> str:
+    """``"3 stages: [0-3]x1 [4-6]x2 [7-8]x1"``."""
+    def ranges(idx: Sequence[int]) -> str:
+        return f"{min(idx)}-{max(idx)}" if list(idx) == list(range(min(idx), max(idx) + 1)) else ",".join(map(str, idx))
+    return f"{plan.num_stages} stages: " + " ".join(f"[{ranges(s.layers)}]x{s.replicas}" for s in plan.stages)
+
+
+def replan(profile: Profile, world_size: int, settings: dict[str, Any]) -> Plan:
+    """PipeDream's plan for ``world_size`` workers, with the original plan's ``settings``."""
+    from partitioner.optimizer import partition
+
+    if world_size < 1:
+        raise PlanError(f"cannot plan for {world_size} workers")
+    bandwidths = [float(b) for b in settings.get("bandwidth") or [1e9]]
+    levels = [int(n) for n in settings.get("workers") or []]
+    product = 1
+    for n in levels:
+        product *= n
+    if levels and product == world_size:
+        workers, bandwidth = levels, bandwidths
+    else:
+        workers, bandwidth = [world_size], [min(bandwidths)]
+    memory = settings.get("memory_bytes")
+    return partition(profile, workers, bandwidth, straight=bool(settings.get("straight", False)),
+                     memory_bytes=float(memory) if memory is not None else None)
+
+
+def store_profile(storage: Storage, profile: Profile) -> None:
+    """Keep the profile beside the checkpoints (rank 0, at start), so a resized job can re-plan."""
+    storage.write_bytes(PROFILE_FILE, json.dumps(profile.to_json()).encode())
+
+
+def load_stored_profile(storage: Storage) -> Profile:
+    """The profile stored beside the checkpoints; :class:`PipelineSetupError` if there is none or it is bad."""
+    try:
+        data = storage.read_bytes(PROFILE_FILE)
+    except FileNotFoundError:
+        raise PipelineSetupError(
+            f"the world size changed, but {storage.url} stores no profile ({PROFILE_FILE}) to re-plan from; "
+            "pass profile= to PipelineTrainer"
+        ) from None
+    except CheckpointError as exc:
+        raise PipelineSetupError(f"cannot read the stored profile: {exc}") from None
+    try:
+        return Profile.from_json(json.loads(data), source=f"{storage.url}/{PROFILE_FILE}")
+    except (ValueError, ProfileError) as exc:
+        raise PipelineSetupError(f"the stored profile is unusable: {exc}") from None
+
+
+def merge_parts(parts: Sequence[dict[str, Any]], param_names: Sequence[str], state_keys: Sequence[str]
+                ) -> dict[str, Any]:
+    """Gather one new stage's weights and optimizer state from the old stages' checkpoint parts.
+
+    ``param_names``: the new stage's parameters in optimizer order; ``state_keys``: its ``state_dict`` keys.
+    Raises :class:`PipelineSetupError` naming what is missing.
+    """
+    model: dict[str, Any] = {}
+    opt_state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] | None = None
+    for part in parts:
+        model.update(part["model"])
+        names = part.get("param_names")
+        if names is None:
+            raise PipelineSetupError("the checkpoint predates layer-addressable parts (no param_names); "
+                                     "it can only be resumed with its own plan")
+        optim = part["optimizer"]
+        if len(optim["param_groups"]) != 1:
+            raise PipelineSetupError(
+                f"re-planning needs a single optimizer parameter group, the checkpoint has {len(optim['param_groups'])}"
+            )
+        for index, entry in optim["state"].items():
+            opt_state[names[int(index)]] = entry
+        if groups is None:
+            groups = [{k: v for k, v in optim["param_groups"][0].items() if k != "params"}]
+    missing = [k for k in state_keys if k not in model]
+    if missing:
+        raise PipelineSetupError(f"the checkpoint lacks {len(missing)} tensors of this stage, e.g. {missing[:3]}")
+    assert groups is not None
+    groups[0]["params"] = list(range(len(param_names)))
+    state = {i: opt_state[n] for i, n in enumerate(param_names) if n in opt_state}
+    return {"model": {k: model[k] for k in state_keys}, "optimizer": {"state": state, "param_groups": groups}}

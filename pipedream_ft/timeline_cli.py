@@ -1,0 +1,189 @@
+"""``pipedream-timeline``: draw what every rank did as a PNG, from the trace files of a run.
+
+Usage::
+
+    pipedream-timeline TRACE_DIR_OR_FILE -o timeline.png [--trace merged.json] [--title TEXT] [--width PX]
+                       [--last SECONDS]
+
+``TRACE_DIR_OR_FILE`` is a directory of per-rank files ``trace-attempt{A}-rank{R}.json`` (as written with
+``PIPEDREAM_FT_TRACE_DIR``), which are merged, or one trace file (a merged ``{"traceEvents": [...]}`` or a
+single rank's array). ``--trace`` also writes the merged trace, for https://ui.perfetto.dev. Errors print one
+line ``pipedream-timeline: error: ...`` and exit with status 2; the output files are then left untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, NoReturn
+
+from .plot import clip_trace, draw_timeline, summarize
+from .timeline import load_trace_file, merge_traces, trace_files
+
+__all__ = ["main", "load_trace"]
+
+PROG = "pipedream-timeline"
+
+
+class CliError(Exception):
+    """A user error: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise CliError(message)
+
+
+def _width(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"width must be a whole number of pixels, got {text!r}") from None
+    if not 200 <= value <= 20000:
+        raise argparse.ArgumentTypeError(f"width must be between 200 and 20000 pixels, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--last must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"--last must be positive and finite, got {text!r}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Draw a pipeline timeline (one row per rank) from pipedream-ft trace files.")
+    p.add_argument("source", metavar="TRACE_DIR_OR_FILE", help="directory of per-rank trace files, or one trace file")
+    p.add_argument("-o", "--output", default="timeline.png", metavar="PNG", help="image to write (default timeline.png)")
+    p.add_argument("--trace", metavar="JSON", help="also write the merged trace here")
+    p.add_argument("--title", help="title above the figure")
+    p.add_argument("--width", type=_width, default=1600, metavar="PX", help="image width in pixels (default 1600)")
+    p.add_argument("--last", type=_seconds, metavar="SECONDS", help="draw only the last SECONDS of the run")
+    return p
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _check_file(path: Path) -> None:
+    """Raise :class:`CliError` unless ``path`` reads as a (possibly truncated) trace."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise CliError(f"{str(path)!r} is not a trace file: not UTF-8 text") from None
+    except OSError as exc:
+        raise CliError(f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
+    head = text.lstrip()
+    if head.startswith("["):
+        return  # a rank's array, perhaps without its closing bracket: load_trace_file copes
+    if not head.startswith("{"):
+        raise CliError(f"{str(path)!r} is not a trace file: invalid JSON")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CliError(f"{str(path)!r} is not a trace file: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data.get("traceEvents"), list):
+        raise CliError(f"{str(path)!r} is not a trace file: no \"traceEvents\" list")
+
+
+def load_trace(source: str | os.PathLike[str]) -> dict[str, Any]:
+    """The merged trace of a directory of per-rank files, or of one trace file; :class:`CliError` if none."""
+    src = Path(source)
+    if src.is_dir():
+        paths = trace_files(src)
+        if not paths:
+            raise CliError(f"no trace files (trace-attempt*-rank*.json) in {str(src)!r}")
+    elif src.exists():
+        paths = [src]
+    else:
+        raise CliError(f"{str(src)!r} does not exist")
+    for p in paths:
+        _check_file(p)
+    try:
+        trace = merge_traces(paths)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CliError(f"cannot read the trace in {str(src)!r}: {exc}") from None
+    if not any(e.get("ph") != "M" for e in trace["traceEvents"]):
+        raise CliError(f"no trace events in {str(src)!r}")
+    return trace
+
+
+def _writable(path: Path) -> None:
+    if path.is_dir():
+        raise CliError(f"cannot write {str(path)!r}: it is a directory")
+    parent = path.parent
+    if not parent.is_dir():
+        raise CliError(f"cannot write {str(path)!r}: no directory {str(parent)!r}")
+    if not os.access(parent, os.W_OK):
+        raise CliError(f"cannot write {str(path)!r}: permission denied")
+
+
+def _stage_json(trace: dict[str, Any], path: Path) -> Path:
+    """Write ``trace`` next to ``path`` under a temporary name (renamed into place once the PNG is drawn)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(trace, f, separators=(",", ":"))
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise CliError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
+    return Path(tmp)
+
+
+def _run(argv: list[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    output = Path(args.output)
+    merged_path = Path(args.trace) if args.trace else None
+    if merged_path is not None and merged_path.resolve() == output.resolve():
+        raise CliError("--trace and -o name the same file")
+    trace = load_trace(args.source)
+    for p in (output, merged_path):
+        if p is not None:
+            _writable(p)
+    drawn = clip_trace(trace, args.last) if args.last else trace
+    staged = _stage_json(trace, merged_path) if merged_path is not None else None
+    try:
+        try:
+            width, height = draw_timeline(drawn, output, width_px=args.width, title=args.title)
+        except OSError as exc:
+            raise CliError(f"cannot write {str(output)!r}: {exc.strerror or exc}") from None
+        except (ValueError, TypeError) as exc:
+            raise CliError(f"cannot draw the trace: {exc}") from None
+        if staged is not None and merged_path is not None:
+            os.replace(staged, merged_path)
+            staged = None
+    finally:
+        if staged is not None:
+            staged.unlink(missing_ok=True)
+    if merged_path is not None:
+        print(f"wrote {merged_path} ({len(trace['traceEvents'])} events)")
+    print(f"wrote {output} ({width}x{height} px)" + (f", the last {args.last:g} s" if args.last else ""))
+    print(summarize(trace).line())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0, or 2 on an error)."""
+    try:
+        return _run(argv)
+    except CliError as exc:
+        print(f"{PROG}: error: {_one_line(str(exc))}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: error: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
