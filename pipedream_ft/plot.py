@@ -145,15 +145,21 @@ def summarize(trace: dict[str, Any]) -> TraceSummary:
 
 
 def clip_trace(trace: dict[str, Any], last_s: float) -> dict[str, Any]:
-    """The trace cut to its last ``last_s`` seconds: events that end in that window (metadata kept)."""
+    """The trace cut to its last ``last_s`` seconds: events that end in that window (metadata kept).
+
+    The first event's time of the whole trace is kept as ``otherData.t0_us``, so that :func:`draw_timeline`
+    still counts seconds from the start of the run.
+    """
     if not last_s > 0:
         raise ValueError(f"last_s must be positive, got {last_s}")
     events = _timed(trace)
-    _, hi = _span(events)
+    lo, hi = _span(events)
     cut = hi - last_s * 1e6
     meta = [e for e in trace.get("traceEvents", []) if isinstance(e, dict) and e.get("ph") == "M"]
     kept = [e for e in events if float(e["ts"]) + float(e.get("dur") or 0.0) >= cut]
-    return {**trace, "traceEvents": meta + kept}
+    other = dict(trace.get("otherData") or {})
+    other.setdefault("t0_us", lo)
+    return {**trace, "traceEvents": meta + kept, "otherData": other}
 
 
 def _row_labels(trace: dict[str, Any], events: list[dict[str, Any]]) -> dict[int, str]:
@@ -184,6 +190,12 @@ def _row_labels(trace: dict[str, Any], events: list[dict[str, Any]]) -> dict[int
             label = f"rank {pid}"
         labels[pid] = label
     return labels
+
+
+def _origin(trace: dict[str, Any], first_us: float) -> float:
+    """Time zero of the x axis: ``otherData.t0_us`` (set by :func:`clip_trace`) if valid, else the first event."""
+    t0 = (trace.get("otherData") or {}).get("t0_us") if isinstance(trace.get("otherData"), dict) else None
+    return float(t0) if isinstance(t0, (int, float)) and not isinstance(t0, bool) and t0 <= first_us else first_us
 
 
 def _png_size(path: str | os.PathLike[str]) -> tuple[int, int]:
@@ -223,8 +235,10 @@ def draw_timeline(trace: dict[str, Any], path: str | os.PathLike[str], *, width_
     n = max(1, len(ranks))
     if height_px is None:
         height_px = max(240, 150 + (40 if title else 0) + _ROW_PX * n)
-    t0, t1 = _span(events)
-    span = max((t1 - t0) / 1e6, 1e-6)
+    first, t1 = _span(events)
+    t0 = _origin(trace, first)
+    x0 = (first - t0) / 1e6  # where the drawn events begin, in seconds from the origin
+    span = max((t1 - first) / 1e6, 1e-6)
 
     # boxes[(rank, cat)] = [(x, w), ...] in seconds; texts for forward/backward minibatch labels
     boxes: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
@@ -255,16 +269,19 @@ def draw_timeline(trace: dict[str, Any], path: str | os.PathLike[str], *, width_
         "checkpoint": {"facecolors": CHECKPOINT_COLOR, "edgecolors": "#8a4b0f", "hatch": "////", "linewidth": 0.5,
                        "zorder": 4},
     }
-    ax.set_xlim(-0.01 * span, span * 1.01)
+    ax.set_xlim(x0 - 0.01 * span, x0 + span * 1.01)
     ax.set_ylim(n, 0)
     fig.draw_without_rendering()  # lay out once to learn the axes' width in pixels
-    px_per_s = ax.get_window_extent().width / (span * 1.02)
+    axes_px = ax.get_window_extent().width
+    px_per_s = axes_px / (span * 1.02)
+    # rows whose boxes average under ~4 px: no white edges and no widened updates, which would drown them
+    dense = {pid for pid in ranks
+             if 4 * sum(len(boxes.get((pid, c), ())) for c in ("forward", "backward", "update")) > axes_px}
     for (pid, cat), spans in boxes.items():
         kw = dict(style[cat])
         if cat in ("forward", "backward"):
-            dense = len(spans) * 6 > px_per_s * span  # boxes under ~6 px on average: edges would drown them
-            kw.update(edgecolors="white", linewidth=0 if dense else 0.6)
-        if cat == "update":
+            kw.update(edgecolors="white", linewidth=0 if pid in dense else 0.6)
+        if cat == "update" and pid not in dense:
             # at least ~2 px wide, so that every update shows as a tick however short it was
             spans = [(x, max(w, 2.0 / px_per_s)) for x, w in spans]
         y, h = bands[cat]
@@ -281,12 +298,14 @@ def draw_timeline(trace: dict[str, Any], path: str | os.PathLike[str], *, width_
     for rs in restarts:
         x = (rs.time_us - t0) / 1e6
         ax.axvline(x, color=RESTART_COLOR, linestyle="--", linewidth=1.5, zorder=6)
-        ax.text(x, 0.995, " " + rs.label(), transform=top, ha="left", va="top", fontsize=8, color=RESTART_COLOR,
-                zorder=7, bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1.0})
+        right = x > x0 + 0.6 * span  # late restarts label to the left of their line, to stay inside the axes
+        ax.text(x, 0.995, rs.label() + " " if right else " " + rs.label(), transform=top,
+                ha="right" if right else "left", va="top", fontsize=8, color=RESTART_COLOR, zorder=7, clip_on=True,
+                bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1.0})
 
     ax.set_yticks([i + 0.5 for i in range(len(ranks))], [labels[r] for r in ranks])
     ax.tick_params(axis="y", length=0)
-    ax.set_xlabel("time (s) since the first event")
+    ax.set_xlabel("time (s) since the first event" if t0 == first else "time (s) since the start of the trace")
     ax.grid(axis="x", color="#eeeeee", linewidth=0.8, zorder=0)
     ax.set_axisbelow(True)
     for i in range(1, n):

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .plot import clip_trace, draw_timeline, summarize
-from .timeline import load_trace_file, merge_traces, trace_files
+from .timeline import merge_traces, trace_files
 
 __all__ = ["main", "load_trace"]
 

@@ -203,6 +203,8 @@ def test_restart_merges_draws_and_is_summarised(tmp_path: Path, clock: FakeClock
     assert "the last 0.1 s" in capsys.readouterr().out
     tail = clip_trace(trace, 0.1)
     assert {e["tid"] for e in tail["traceEvents"] if e.get("ph") != "M"} == {1}
+    assert tail["otherData"]["t0_us"] == min(e["ts"] for e in trace["traceEvents"] if e.get("ph") != "M")
+    assert summarize(tail).restarts == []  # the restart itself happened before the window
 
 
 def test_no_restart_for_a_fresh_attempt(tmp_path: Path, clock: FakeClock, capsys) -> None:
