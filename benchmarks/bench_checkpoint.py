@@ -283,6 +283,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"{failed:6d}")
     print("(snapshot: training waits for it; persist: background thread, serialize + sha256 + write; "
           "part MB: this stage's part of one checkpoint; commit latency: first snapshot -> COMMIT.json written)")
+    t_none = _median(none_t)
+    print(f"\nwhat the overhead is made of, per checkpoint interval ({args.every} x {1000 * t_none:.1f} ms):")
+    for kind in storages:
+        saves = [s for x in results[kind] for s in x.saves]
+        snap = max(_median([s["snapshot_s"] for s in saves if s["stage"] == st]) for st in range(args.stages))
+        pers = sum(_median([s["persist_s"] for s in saves if s["stage"] == st and s["persist_s"] is not None])
+                   for st in range(args.stages))
+        interval = args.every * t_none
+        print(f"  {kind:6s} blocking snapshot (slowest stage) {100 * snap / interval:5.1f}% of the interval "
+              f"(the overhead with idle cores to spare); background persist work {100 * pers / (args.stages * interval):5.1f}% "
+              f"of the stages' compute (extra CPU demand where every core is busy)")
     worst = max((_median([(t.s_per_minibatch - n) / n for t, n in zip(results[k], none_t)]) for k in storages),
                 default=0.0)
     print(f"\nworst median overhead: {100 * worst:.2f}% "

@@ -1,7 +1,7 @@
 """Recovery time after a rank dies, and goodput under repeated failures, with real torchrun and 4 CPU ranks.
 
 Run: ``python benchmarks/bench_recovery.py [--quick] [--repeats 2] [--kill-rank 2] [--kill-step 35]``
-and ``python benchmarks/bench_recovery.py --goodput [--quick] [--interval 30] [--failures 3] [--total 600]``.
+and ``python benchmarks/bench_recovery.py --goodput [--quick] [--interval S] [--failures 3] [--total 1000]``.
 Model flags for both: ``--width 1024 --blocks 8 --batch 16 --optimizer sgd --every 10 --timeout 10``.
 
 Both launch :mod:`ft_bench_worker` under ``torchrun --nproc-per-node 4 --rdzv-backend c10d --monitor-interval 0.5``
@@ -28,8 +28,9 @@ Work redone (minibatches between the resumed checkpoint and the failure) is repo
 at the measured steady-state throughput.
 
 **Goodput** (``--goodput``): the same job for ``--total`` minibatches, first uninterrupted, then with a random
-live rank SIGKILLed from outside every ``--interval`` seconds (at most ``--failures`` times; ``--max-restarts``
-is ``failures + 1``). A third total is estimated for "restart from scratch" (no checkpoints: each failure loses
+live rank SIGKILLed from outside every ``--interval`` seconds (default: the uninterrupted job time divided by
+``failures + 1``, so that the failures land inside the job), at most ``--failures`` times (``--max-restarts`` is
+``failures + 1``). A third total is estimated for "restart from scratch" (no checkpoints: each failure loses
 all progress): replaying the same failure times, each attempt needs the whole uninterrupted job time, and a
 restart costs the measured time from the kill to the new workers being spawned. Goodput = uninterrupted job
 time / total.
@@ -87,6 +88,8 @@ class Job:
     """Worker pid -> first time seen exited (a zombie counts as exited)."""
     kills: list[tuple[float, int, int]] = field(default_factory=list)
     """Kills sent from outside: (time, rank, attempt)."""
+    committed_at_kill: list[int | None] = field(default_factory=list)
+    """Newest committed checkpoint when each kill was sent."""
     _stop: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -281,9 +284,9 @@ def _print_recovery(runs: list[dict[str, Any]]) -> None:
         durs = [r[b] - (r[a] if a else 0.0) for r in runs]
         print(f"{label:54s}" + "".join(f"{d:16.2f}" for d in durs) + f"{statistics.median(durs):16.2f}")
     print("-" * len(head))
-    print(f"{'survivors fail on their own (first / last rank)':54s}" + "".join(
-        f"{(r['peers_fail_first'] or float('nan')):7.2f} /{(r['peers_fail_last'] or float('nan')):6.2f} "
-        for r in runs))
+    print(f"{'survivors raise (first / last rank); all old gone':54s}" + "".join(
+        f"{(r['peers_fail_first'] or float('nan')):5.2f}/{(r['peers_fail_last'] or float('nan')):4.2f}/"
+        f"{r['old_gone']:5.2f}" for r in runs))
     print(f"{'first update on any stage':54s}" + "".join(f"{r['first_update_first']:16.2f}" for r in runs))
     for i, r in enumerate(runs):
         lost = r["fault_step"] - (r["resumed_from"] or 0)
@@ -309,6 +312,12 @@ def scratch_total(uninterrupted_s: float, kill_times: list[float], restart_s: li
     return start + uninterrupted_s
 
 
+def _newest_commit(ckpt: Path) -> int | None:
+    """Newest step with a commit record in a local checkpoint directory."""
+    steps = [int(p.parent.name.split("-")[1]) for p in ckpt.glob("step-*/COMMIT.json")]
+    return max(steps) if steps else None
+
+
 def _killer(job: Job, interval: float, failures: int, rng: random.Random) -> None:
     """Every ``interval`` seconds after launch, SIGKILL a random live rank of the newest attempt."""
     for i in range(1, failures + 1):
@@ -332,22 +341,26 @@ def _killer(job: Job, interval: float, failures: int, rng: random.Random) -> Non
         except ProcessLookupError:
             continue
         job.kills.append((t, victim["rank"], newest))
+        job.committed_at_kill.append(_newest_commit(job.workdir / "ckpt"))
 
 
 def run_goodput(args: argparse.Namespace, model: dict[str, Any], base: Path) -> None:
-    print(f"goodput: {args.total} minibatches, checkpoint every {args.every}, a random rank killed every "
-          f"{args.interval:.0f}s (at most {args.failures} times); load {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"goodput: {RANKS} CPU ranks, MLP {args.blocks}x{args.width}, batch {args.batch}, {args.total} minibatches, "
+          f"checkpoint every {args.every}, at most {args.failures} failures; load {os.getloadavg()[0]:.2f}",
+          flush=True)
     clean = finish(launch(base / "uninterrupted", total=args.total, every=args.every, restarts=0, kill=None,
                           model=model, timeout=args.timeout), args.job_timeout)
     if clean.returncode != 0:
         raise RuntimeError(f"uninterrupted run failed (rc {clean.returncode}):\n{clean.log[-4000:]}")
     t0 = clean.ended - clean.launched
     spm = _steady_s_per_minibatch(clean.records())
-    print(f"  uninterrupted: {t0:.1f}s (load {os.getloadavg()[0]:.2f})", flush=True)
+    interval = args.interval if args.interval > 0 else t0 / (args.failures + 1)
+    print(f"  uninterrupted: {t0:.1f}s (load {os.getloadavg()[0]:.2f}); a random rank killed every {interval:.1f}s",
+          flush=True)
 
     job = launch(base / "failures", total=args.total, every=args.every, restarts=args.failures + 1, kill=None,
                  model=model, timeout=args.timeout)
-    killer = threading.Thread(target=_killer, args=(job, args.interval, args.failures, random.Random(args.seed)),
+    killer = threading.Thread(target=_killer, args=(job, interval, args.failures, random.Random(args.seed)),
                               daemon=True)
     killer.start()
     finish(job, args.job_timeout)
@@ -366,10 +379,16 @@ def run_goodput(args: argparse.Namespace, model: dict[str, Any], base: Path) -> 
     med_restart = statistics.median([r for r in restart if r == r]) if restart else 0.0
     t_scratch = scratch_total(t0, kills, [r if r == r else med_restart for r in restart])
 
-    print(f"\n{'failure':>7s} {'at (s)':>8s} {'rank':>5s} {'attempt':>8s} {'-> respawn (s)':>15s} "
-          f"{'-> first update (s)':>20s} {'resumed from':>13s}")
-    for i, ((_, rank, a), k, rs, rec, res) in enumerate(zip(job.kills, kills, restart, recovered, resumed)):
-        print(f"{i:7d} {k:8.1f} {rank:5d} {a:8d} {rs:15.2f} {rec:20.2f} {str(res):>13s}")
+    began = [min((r["timeline"].get("first_update", float("inf")) for r in job.attempt(a)), default=float("inf"))
+             - job.launched for _, _, a in job.kills]
+    print(f"\n{'failure':>7s} {'at (s)':>7s} {'rank':>5s} {'attempt':>8s} {'its 1st update (s)':>19s} "
+          f"{'committed':>10s} {'-> respawn (s)':>15s} {'-> 1st update (s)':>18s} {'resumed from':>13s}")
+    for i, ((_, rank, a), k, b, c, rs, rec, res) in enumerate(zip(job.kills, kills, began, job.committed_at_kill,
+                                                                  restart, recovered, resumed)):
+        print(f"{i:7d} {k:7.1f} {rank:5d} {a:8d} {b:19.1f} {str(c):>10s} {rs:15.2f} {rec:18.2f} {str(res):>13s}")
+    print("(its 1st update: when the killed attempt first stepped, after launch; committed: newest committed "
+          "checkpoint when the kill was sent; -> respawn / -> 1st update: from the kill to the next attempt's "
+          "workers spawned / every stage's first update)")
     print(f"\n{'strategy':42s} {'total (s)':>10s} {'goodput':>8s}")
     print("-" * 62)
     print(f"{'uninterrupted (measured)':42s} {t0:10.1f} {1.0:8.2f}")
@@ -389,11 +408,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--goodput", action="store_true", help="measure goodput under repeated failures instead")
     ap.add_argument("--repeats", type=int, default=2, help="recovery runs")
-    ap.add_argument("--total", type=int, default=None, help="minibatches (default 50, or 600 with --goodput)")
+    ap.add_argument("--total", type=int, default=None, help="minibatches (default 50, or 1000 with --goodput)")
     ap.add_argument("--every", type=int, default=10, help="checkpoint every this many minibatches")
     ap.add_argument("--kill-rank", type=int, default=2)
     ap.add_argument("--kill-step", type=int, default=35)
-    ap.add_argument("--interval", type=float, default=30.0, help="--goodput: seconds between failures")
+    ap.add_argument("--interval", type=float, default=0.0,
+                    help="--goodput: seconds between failures (0: uninterrupted time / (failures + 1))")
     ap.add_argument("--failures", type=int, default=3, help="--goodput: most failures injected")
     ap.add_argument("--seed", type=int, default=0, help="--goodput: which ranks are killed")
     ap.add_argument("--width", type=int, default=1024)
@@ -404,11 +424,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--job-timeout", type=float, default=300.0, help="kill a torchrun job after this long")
     args = ap.parse_args(argv)
     if args.total is None:
-        args.total = 600 if args.goodput else 50
+        args.total = 1000 if args.goodput else 50
     if args.quick:
         args.repeats = 1
         if args.goodput:
-            args.total, args.interval, args.failures = min(args.total, 300), min(args.interval, 25.0), 2
+            args.total, args.failures = min(args.total, 600), 2
     if not args.goodput and not 0 < args.kill_step < args.total:
         ap.error("--kill-step must be inside the run")
     model = {"width": args.width, "blocks": args.blocks, "batch": args.batch, "optimizer": args.optimizer}

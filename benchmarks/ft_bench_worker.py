@@ -9,7 +9,8 @@ minibatches. Every rank of every attempt records what :mod:`bench_recovery` need
   ``torch._dynamo`` (which building a torch optimizer imports) and the library are imported;
 - ``resume_begin``, ``resume_end``: around the checkpoint load (``Checkpointer.resume``, wrapped here);
 - ``pid``, ``rank``, ``attempt``, ``stage``;
-- ``timeline``: the trainer's ``start``, ``joined``, ``restored``, ``first_update``;
+- ``timeline``: the trainer's ``start``, ``joined``, ``restored``, ``first_update`` (the file is written again
+  as soon as ``first_update`` is set, so a rank killed later still has it);
 - ``resumed_from``, ``exit`` (time the script leaves, ``None`` if it was killed), ``error`` (first line), and
   ``minibatch_times`` (last stage: time each minibatch's loss was computed, for throughput).
 
@@ -28,6 +29,7 @@ import importlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
@@ -111,6 +113,13 @@ def TimedKill(rank: int, step: int, *, me: int, attempt: int, stamp: Path) -> An
     return _timed_kill_class()([Fault("kill", rank, step)], rank=me, attempt=attempt, stamp=stamp)
 
 
+def _dump_after_first_update(timeline: dict[str, float], dump: Callable[[], None]) -> None:
+    """Write the event file again once this attempt's first optimizer step is done (a rank killed later keeps it)."""
+    while "first_update" not in timeline:
+        time.sleep(0.05)
+    dump()
+
+
 def _time_resume(cls: type, record: dict[str, Any]) -> None:
     """Record when ``cls.resume`` (the checkpoint load, a collective) begins and ends in ``record``."""
     original = cls.resume
@@ -185,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         record.update(stage=trainer.stage_index, resumed_from=trainer.resumed_from, timeline=trainer.timeline)
         dump()
+        threading.Thread(target=_dump_after_first_update, args=(trainer.timeline, dump), daemon=True).start()
         if args.kill:
             kill_rank, kill_step = (int(x) for x in args.kill.split(":"))
             trainer.faults = TimedKill(kill_rank, kill_step, me=rank, attempt=attempt, stamp=events / "fault.json")
