@@ -54,6 +54,11 @@ def main() -> None:
     if trainer.env.rank == 0:
         with open(args.events, "a") as f:
             f.write(json.dumps({**entry, "event": "started"}) + "\n")
+    if trainer.position < args.total:  # a few minibatches first, to report when the first update happened
+        trainer.train(slow_data, min(8, args.total - trainer.position))
+        if trainer.env.rank == 0:
+            with open(args.events, "a") as f:
+                f.write(json.dumps({**entry, "event": "running", "timeline": trainer.timeline}) + "\n")
     result = trainer.fit(slow_data, args.total)
     if trainer.env.rank == 0:
         with open(args.events, "a") as f:
