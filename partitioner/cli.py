@@ -13,11 +13,10 @@ file is then left untouched.
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import sys
 from pathlib import Path
 
+from profiler.cliutil import CliError, OneLineParser, number, run_cli, write_atomic
 from profiler.profile import ProfileError, load_profile
 
 from .optimizer import partition
@@ -28,50 +27,20 @@ __all__ = ["main", "format_plan", "layer_ranges"]
 PROG = "pipedream-partition"
 
 
-def _bandwidth(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bandwidth must be a number of bytes/s, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"bandwidth must be positive and finite, got {text!r}")
-    return value
-
-
-def _workers(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"workers must be a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"workers must be at least 1, got {text!r}")
-    return value
-
-
-def _memory(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"memory must be a number of bytes, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"memory must be positive and finite, got {text!r}")
-    return value
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, status 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
+_WORKERS = number("workers", integer=True, low=1)
+_BANDWIDTH = number("bandwidth", low=0, unit=" of bytes/s")
+_MEMORY = number("memory", low=0, unit=" of bytes")
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog=PROG, description="Split a profiled model into PipeDream pipeline stages.")
+    ap = OneLineParser(prog=PROG, description="Split a profiled model into PipeDream pipeline stages.")
     ap.add_argument("profile", help="profile: pipedream-ft JSON or PipeDream graph.txt")
-    ap.add_argument("--workers", "-n", action="append", type=_workers, required=True,
+    ap.add_argument("--workers", "-n", action="append", type=_WORKERS, required=True,
                     help="workers at one level (repeat for levels, innermost first)")
-    ap.add_argument("--bandwidth", "-b", action="append", type=_bandwidth, required=True,
+    ap.add_argument("--bandwidth", "-b", action="append", type=_BANDWIDTH, required=True,
                     help="bandwidth of one level in bytes/s, e.g. 1e9 (repeat like --workers)")
     ap.add_argument("--straight", action="store_true", help="no replication: one worker per stage")
-    ap.add_argument("--memory", type=_memory, default=None, help="memory per worker in bytes")
+    ap.add_argument("--memory", type=_MEMORY, default=None, help="memory per worker in bytes")
     ap.add_argument("-o", "--output", required=True, help="where to write the plan JSON")
     return ap
 
@@ -105,41 +74,26 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0, or 2 on any error)."""
-    ap = _parser()
-    try:
-        args = ap.parse_args(argv)
-    except SystemExit as exc:
-        return int(exc.code or 0)
+def _run(argv: list[str] | None) -> int:
+    args = _parser().parse_args(argv)
     if len(args.workers) != len(args.bandwidth):
-        print(f"{PROG}: error: {len(args.workers)} --workers levels but {len(args.bandwidth)} --bandwidth levels; "
-              "give one bandwidth per level", file=sys.stderr)
-        return 2
+        raise CliError(f"{len(args.workers)} --workers levels but {len(args.bandwidth)} --bandwidth levels; "
+                       "give one bandwidth per level")
     out = Path(args.output)
     try:
         profile = load_profile(args.profile)
         plan = partition(profile, args.workers, args.bandwidth, straight=args.straight, memory_bytes=args.memory)
-        _write_atomic(out, plan.dumps())
     except (ProfileError, PlanError) as exc:
-        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"{PROG}: error: {out}: cannot write plan: {exc.strerror or exc}", file=sys.stderr)
-        return 2
+        raise CliError(str(exc)) from None
+    write_atomic(out, plan.dumps())
     print(format_plan(plan))
     print(f"plan written to {out}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0, or 2 on any error)."""
+    return run_cli(PROG, _run, argv)
 
 
 if __name__ == "__main__":

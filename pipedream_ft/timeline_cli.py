@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import sys
 import tempfile
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
+
+from profiler.cliutil import CliError, OneLineParser, check_writable, number, run_cli
 
 from .plot import clip_trace, draw_timeline, summarize
 from .timeline import merge_traces, trace_files
@@ -30,48 +30,21 @@ __all__ = ["main", "load_trace"]
 PROG = "pipedream-timeline"
 
 
-class CliError(Exception):
-    """A user error: reported as one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise CliError(message)
-
-
-def _width(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"width must be a whole number of pixels, got {text!r}") from None
-    if not 200 <= value <= 20000:
-        raise argparse.ArgumentTypeError(f"width must be between 200 and 20000 pixels, got {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--last must be a number of seconds, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"--last must be positive and finite, got {text!r}")
-    return value
+_WIDTH = number("width", integer=True, low=200, high=20000, unit=" of pixels")
+_SECONDS = number("--last", low=0, unit=" of seconds")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Draw a pipeline timeline (one row per rank) from pipedream-ft trace files.")
+    p = OneLineParser(prog=PROG, description="Draw a pipeline timeline (one row per rank) from pipedream-ft trace files.")
     p.add_argument("source", metavar="TRACE_DIR_OR_FILE", help="directory of per-rank trace files, or one trace file")
     p.add_argument("-o", "--output", default="timeline.png", metavar="PNG", help="image to write (default timeline.png)")
     p.add_argument("--trace", metavar="JSON", help="also write the merged trace here")
     p.add_argument("--title", help="title above the figure")
-    p.add_argument("--width", type=_width, default=1600, metavar="PX", help="image width in pixels (default 1600)")
-    p.add_argument("--last", type=_seconds, metavar="SECONDS", help="draw only the last SECONDS of the run")
+    p.add_argument("--width", type=_WIDTH, default=1600, metavar="PX", help="image width in pixels (default 1600)")
+    p.add_argument("--last", type=_SECONDS, metavar="SECONDS", help="draw only the last SECONDS of the run")
     return p
 
 
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
 
 
 def _check_file(path: Path) -> None:
@@ -117,16 +90,6 @@ def load_trace(source: str | os.PathLike[str]) -> dict[str, Any]:
     return trace
 
 
-def _writable(path: Path) -> None:
-    if path.is_dir():
-        raise CliError(f"cannot write {str(path)!r}: it is a directory")
-    parent = path.parent
-    if not parent.is_dir():
-        raise CliError(f"cannot write {str(path)!r}: no directory {str(parent)!r}")
-    if not os.access(parent, os.W_OK):
-        raise CliError(f"cannot write {str(path)!r}: permission denied")
-
-
 def _stage_json(trace: dict[str, Any], path: Path) -> Path:
     """Write ``trace`` next to ``path`` under a temporary name (renamed into place once the PNG is drawn)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -148,7 +111,7 @@ def _run(argv: list[str] | None) -> int:
     trace = load_trace(args.source)
     for p in (output, merged_path):
         if p is not None:
-            _writable(p)
+            check_writable(p)
     drawn = clip_trace(trace, args.last) if args.last else trace
     staged = _stage_json(trace, merged_path) if merged_path is not None else None
     try:
@@ -173,16 +136,7 @@ def _run(argv: list[str] | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (0, or 2 on an error)."""
-    try:
-        return _run(argv)
-    except CliError as exc:
-        print(f"{PROG}: error: {_one_line(str(exc))}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: error: interrupted", file=sys.stderr)
-        return 130
-    except SystemExit as exc:  # --help
-        return exc.code if isinstance(exc.code, int) else 0
+    return run_cli(PROG, _run, argv)
 
 
 if __name__ == "__main__":

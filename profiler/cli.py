@@ -15,26 +15,18 @@ import importlib
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 __all__ = ["main"]
+
+from .cliutil import CliError, OneLineParser, check_writable, run_cli, write_atomic
 
 PROG = "pipedream-profile"
 
 
-class CliError(Exception):
-    """A user error: reported as one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise CliError(message)
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Profile a PyTorch model layer by layer for PipeDream partitioning.")
+    p = OneLineParser(prog=PROG, description="Profile a PyTorch model layer by layer for PipeDream partitioning.")
     p.add_argument("target", metavar="MODULE:FACTORY", help="factory returning the model, e.g. examples.models:digits_cnn")
     p.add_argument("--input-shape", required=True, metavar="C,H,W", help="shape of one sample, comma separated")
     p.add_argument("--batch-size", required=True, type=int, metavar="N", help="minibatch size")
@@ -46,10 +38,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building the model (default 0)")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="output file (.json, else graph.txt)")
     return p
-
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:
@@ -85,28 +73,11 @@ def _load_factory(target: str) -> tuple[str, Any]:
     return target, factory
 
 
-def _check_output(path: Path) -> None:
-    if path.is_dir():
-        raise CliError(f"cannot write {str(path)!r}: it is a directory")
-    parent = path.parent
-    if not parent.is_dir():
-        raise CliError(f"cannot write {str(path)!r}: directory {str(parent)!r} does not exist")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise CliError(f"cannot write {str(path)!r}: permission denied")
-
-
 def _write(profile: Any, path: Path) -> None:
     from .graphtxt import dumps_graph_txt
 
     text = json.dumps(profile.to_json(), indent=1) + "\n" if path.suffix == ".json" else dumps_graph_txt(profile)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise CliError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
+    write_atomic(path, text)
 
 
 def _size(n: float) -> str:
@@ -147,7 +118,7 @@ def _run(argv: list[str] | None) -> int:
     if args.int_input is not None and args.int_input <= 0:
         raise CliError(f"--int-input must be a positive vocabulary size, got {args.int_input}")
     output = Path(args.output)
-    _check_output(output)
+    check_writable(output)
 
     import torch
     from torch import nn
@@ -196,16 +167,7 @@ def _run(argv: list[str] | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (0, or 2 on an error)."""
-    try:
-        return _run(argv)
-    except CliError as exc:
-        print(f"{PROG}: error: {_one_line(str(exc))}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: error: interrupted", file=sys.stderr)
-        return 130
-    except SystemExit as exc:  # --help
-        return exc.code if isinstance(exc.code, int) else 0
+    return run_cli(PROG, _run, argv)
 
 
 if __name__ == "__main__":
