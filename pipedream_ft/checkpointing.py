@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import time
+from datetime import timedelta
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -280,6 +281,20 @@ class Checkpointer:
         base = finished[-1].finished_at if finished else None
         out["since_commit_s"] = time.time() - (base or self._started)
         return out
+
+    def finish(self) -> None:
+        """Wait for pending saves, and leave together: rank 0 may still be writing the last commit record
+        (slow storage, retries), and the collective that follows must not time out waiting for it. The other
+        ranks wait on the store, whose timeout is the commit timeout, not the process group's."""
+        self.writer.flush(timeout=self.config.commit_timeout_s)
+        store = self._attempt_store()
+        if store is None or self.t.env.world_size == 1:
+            return
+        key = f"finished/{self.t.position}"
+        if self.t.env.rank == 0:
+            store.set(key, "1")
+        else:
+            store.wait([key], timedelta(seconds=self.config.commit_timeout_s + 30))
 
     def stop_without_save(self) -> None:
         raise Preempted("preempted: no emergency checkpoint fits in the grace period; stopping")

@@ -32,7 +32,7 @@ from partitioner.plan import Plan, PlanError
 from .comm import Header, Messenger, RecvHandle, ShapeMismatchError, TensorSpec
 from .distributed import default_device, init_distributed
 from .env import DistEnv
-from .errors import PipelineError, PipelineSetupError
+from .errors import PipelineSetupError
 from .schedule import Action, flushing, in_flight, one_f_one_b
 from .stage import StageModule, build_stage, model_layers
 from .versions import Version, VersionStore
@@ -480,7 +480,7 @@ class PipelineTrainer:
         then wait for pending checkpoints to commit. A collective."""
         result = self.train(data, max(0, total - self.position))
         if self.ckpt is not None:
-            self.ckpt.writer.flush(timeout=self.ckpt.config.commit_timeout_s)
+            self.ckpt.finish()
         return result
 
     def close(self) -> None:

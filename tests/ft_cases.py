@@ -65,3 +65,23 @@ def elastic_bad_case(url: str, kind: str) -> None:
     PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=OPTIMIZERS["adam"],
                     config=PipelineConfig(timeout_s=30), checkpoint=CheckpointConfig(url=url),
                     profile=timed_profile(model) if kind == "memory" else None)
+
+
+def start_case(url: str, model_name: str, storage_options: dict | None = None) -> None:
+    """Start a 2-stage trainer with checkpointing at ``url`` (for bad-input tests: it should refuse)."""
+    from pipedream_ft.checkpointing import CheckpointConfig
+    from pipedream_ft.runtime import PipelineConfig, PipelineTrainer
+
+    from pipedream_ft.policies import EveryNSteps
+    from pipedream_ft.stage import model_layers
+
+    model = MODELS[model_name]()
+
+    layers = list(range(len(model_layers(model).names)))
+    plan = plan_for(model, [layers[: len(layers) // 2], layers[len(layers) // 2:]])
+    trainer = PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=OPTIMIZERS["sgd"],
+                              config=PipelineConfig(timeout_s=30, summary=False),
+                              checkpoint=CheckpointConfig(url=url, storage_options=storage_options,
+                                                          policy=EveryNSteps(2)))
+    trainer.fit(data, 4)
+    trainer.close()

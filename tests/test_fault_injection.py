@@ -135,21 +135,24 @@ def test_s3_outage_during_training(reference, tmp_path, seaweed_s3):  # noqa: F8
     result: dict = {}
 
     def run() -> None:
-        result["proc"] = torchrun(url, out, sleep_ms=120, storage_options=seaweed_s3.storage_options)
+        result["proc"] = torchrun(url, out, sleep_ms=200, storage_options=seaweed_s3.storage_options)
 
+    from pipedream_ft.checkpoint import Storage, list_committed, load_part, read_commit
+
+    storage = Storage(url, seaweed_s3.storage_options)
     t = threading.Thread(target=run)
     t.start()
-    time.sleep(6.0)
+    deadline = time.monotonic() + 120
+    while not list_committed(storage) and time.monotonic() < deadline:  # training is under way
+        time.sleep(0.2)
     seaweed_s3.stop()
     time.sleep(4.0)
     seaweed_s3.start()
     t.join(timeout=280)
     info = finished(result["proc"], out)
-    assert info["attempt"] == 0  # no restart was needed
+    log = result["proc"].stdout + result["proc"].stderr
+    assert info["attempt"] == 0, log[-6000:]  # no restart was needed
     assert_bitwise(out, reference)
-    from pipedream_ft.checkpoint import Storage, list_committed, load_part, read_commit
-
-    storage = Storage(url, seaweed_s3.storage_options)
     committed = list_committed(storage)
     assert committed and committed[-1] == TOTAL, committed
     for step in committed:  # every committed checkpoint is whole
