@@ -484,7 +484,8 @@ class PipelineTrainer:
         return result
 
     def close(self) -> None:
-        """Stop the watchdog and the checkpoint writer (waiting for pending commits); close the trace."""
+        """Stop the background threads and the checkpoint writer (waiting for pending commits); close the trace."""
+        self._progress.close()
         if self.watchdog is not None:
             self.watchdog.close()
         if self.ckpt is not None:
@@ -812,6 +813,7 @@ class _ProgressReporter:
         self._loss: float | None = None
         self._sent: int | None = None
         self._lock = threading.Lock()
+        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def report(self, done: int, force: bool = False, loss: float | None = None) -> None:
@@ -824,9 +826,14 @@ class _ProgressReporter:
             self._thread.start()
 
     def _run(self) -> None:
-        while True:
-            time.sleep(0.1)
+        while not self._stop.wait(0.1):
             self._push()
+
+    def close(self) -> None:
+        """Stop the thread (before the process group and its store go away)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
 
     def _push(self) -> None:
         with self._lock:

@@ -32,6 +32,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     from pipedream_ft.checkpointing import CheckpointConfig
+    from pipedream_ft.distributed import shutdown
     from pipedream_ft.policies import EveryNSteps
     from pipedream_ft.runtime import PipelineConfig, PipelineTrainer
 
@@ -65,6 +66,7 @@ def main() -> None:
             f.write(json.dumps({**entry, "event": "finished", "losses": result.losses,
                                 "position": trainer.position}) + "\n")
     trainer.close()
+    shutdown()
 
 
 if __name__ == "__main__":

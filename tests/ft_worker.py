@@ -34,6 +34,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     from pipedream_ft.checkpointing import CheckpointConfig
+    from pipedream_ft.distributed import shutdown
     from pipedream_ft.policies import EveryNSteps
     from pipedream_ft.runtime import PipelineConfig, PipelineTrainer
 
@@ -53,6 +54,9 @@ def main() -> None:
                                     commit_timeout_s=60),
     )
     t_ready = time.time()
+    if trainer.env.rank == 0:  # one line per attempt: where each one resumed from
+        with open(args.out + ".attempts", "a") as f:
+            f.write(json.dumps({"attempt": trainer.env.restart_count, "resumed_from": trainer.resumed_from}) + "\n")
     result = trainer.fit(slow_data, args.total)
     state = trainer.full_state_dict()
     if trainer.env.rank == 0:
@@ -61,6 +65,7 @@ def main() -> None:
             json.dump({"resumed_from": trainer.resumed_from, "attempt": trainer.env.restart_count,
                        "start_time": t_start, "ready_time": t_ready, "losses": result.losses}, f)
     trainer.close()
+    shutdown()
 
 
 if __name__ == "__main__":
