@@ -34,20 +34,42 @@ def weight_stashing_reference(
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Final weights (original keys) and per-minibatch losses of PipeDream's semantics."""
     S = plan.num_stages
-    ml = model_layers(model)
-    stages = [build_stage(ml, plan, s) for s in range(S)]
+    stages = [build_stage(model_layers(model), plan, s) for s in range(S)]
+    opts = [optimizer_factory(list(st.parameters())) for st in stages]
+
+    def version(b: int, s: int) -> int:
+        return max(0, b - (S - 1)) if vertical else max(0, b - (S - 1 - s))
+
+    losses = _train_segment(stages, opts, 0, steps, version, data, loss_fn, seed)
+    state: dict[str, torch.Tensor] = {}
+    for st in stages:
+        state.update({k: v.detach().clone() for k, v in st.state_dict().items()})
+    return state, losses
+
+
+def _train_segment(
+    stages: list[nn.Module],
+    opts: list[torch.optim.Optimizer],
+    start: int,
+    stop: int,
+    version: Callable[[int, int], int],
+    data: Callable[[int], tuple[Any, Any]],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    seed: int,
+) -> list[float]:
+    """Minibatches ``start .. stop-1`` one at a time through ``stages``: stage s's forward and backward of b use
+    its weights after ``version(b, s)`` updates, then every stage applies update b. Returns the losses."""
+    S = len(stages)
     names = [[n for n, _ in st.named_parameters()] for st in stages]
     live = [list(st.parameters()) for st in stages]
-    opts = [optimizer_factory(p) for p in live]
-    versions: list[list[list[torch.Tensor]]] = [[[p.detach().clone() for p in lv]] for lv in live]
+    versions: list[dict[int, list[torch.Tensor]]] = [{start: [p.detach().clone() for p in lv]} for lv in live]
     losses = []
-    for b in range(steps):
+    for b in range(start, stop):
         x: Any = data(b)[0]
         xs = list(x) if isinstance(x, (list, tuple)) else [x]
         used = []
         for s, st in enumerate(stages):
-            v = max(0, b - (S - 1)) if vertical else max(0, b - (S - 1 - s))
-            params = [t.clone().requires_grad_(True) for t in versions[s][v]]
+            params = [t.clone().requires_grad_(True) for t in versions[s][version(b, s)]]
             used.append(params)
             saved = torch.default_generator.get_state()
             torch.default_generator.manual_seed(_mix(seed, s, b))
@@ -56,21 +78,16 @@ def weight_stashing_reference(
             xs = list(out) if s < S - 1 else [out]
         loss = loss_fn(xs[0], data(b)[1])
         losses.append(float(loss.detach()))
-        flat = [t for ps in used for t in ps]
-        grads = torch.autograd.grad(loss, flat, allow_unused=True)
+        grads = torch.autograd.grad(loss, [t for ps in used for t in ps], allow_unused=True)
         k = 0
         for s in range(S):
             for p in live[s]:
-                g = grads[k]
+                p.grad = None if grads[k] is None else grads[k].detach()
                 k += 1
-                p.grad = None if g is None else g.detach()
             opts[s].step()
             opts[s].zero_grad(set_to_none=True)
-            versions[s].append([p.detach().clone() for p in live[s]])
-    state: dict[str, torch.Tensor] = {}
-    for st in stages:
-        state.update({k: v.detach().clone() for k, v in st.state_dict().items()})
-    return state, losses
+            versions[s][b + 1] = [p.detach().clone() for p in live[s]]
+    return losses
 
 
 def minibatch_sgd_reference(
@@ -129,29 +146,7 @@ def elastic_reference(
             sd = opt.state_dict()
             sd["state"] = {i: opt_state[n] for i, n in enumerate(names[s]) if n in opt_state}
             opt.load_state_dict(sd)
-        versions: list[dict[int, list[torch.Tensor]]] = [{start: [p.detach().clone() for p in lv]} for lv in live]
-        for b in range(start, stop):
-            xs: list[Any] = [data(b)[0]]
-            used = []
-            for s, st in enumerate(stages):
-                v = max(start, b - (S - 1 - s))
-                params = [t.clone().requires_grad_(True) for t in versions[s][v]]
-                used.append(params)
-                saved = torch.default_generator.get_state()
-                torch.default_generator.manual_seed(_mix(seed, s, b))
-                out = functional_call(st, dict(zip(names[s], params)), tuple(xs))
-                torch.default_generator.set_state(saved)
-                xs = list(out) if s < S - 1 else [out]
-            loss = loss_fn(xs[0], data(b)[1])
-            grads = torch.autograd.grad(loss, [t for ps in used for t in ps], allow_unused=True)
-            k = 0
-            for s in range(S):
-                for p in live[s]:
-                    p.grad = None if grads[k] is None else grads[k].detach()
-                    k += 1
-                opts[s].step()
-                opts[s].zero_grad(set_to_none=True)
-                versions[s][b + 1] = [p.detach().clone() for p in live[s]]
+        _train_segment(stages, opts, start, stop, lambda b, s: max(start, b - (S - 1 - s)), data, loss_fn, seed)
         for s, st in enumerate(stages):
             weights.update({k: v.detach().clone() for k, v in st.state_dict().items()})
             for i, entry in opts[s].state_dict()["state"].items():
