@@ -117,12 +117,21 @@ def test_transient_errors_are_retried_with_warnings(tmp_path, caplog) -> None:
         real(rel, data)
 
     st._write_local = flaky  # type: ignore[method-assign]
-    with caplog.at_level(logging.WARNING, logger="pipedream_ft.checkpoint.storage"):
+    with caplog.at_level(logging.DEBUG, logger="pipedream_ft.checkpoint.storage"):
         st.write_bytes("x.bin", b"ok")
     assert st.read_bytes("x.bin") == b"ok"
     retries = [r for r in caplog.records if "retry" in r.getMessage()]
     assert len(retries) == 2
+    # a run of failures is logged once at WARNING; the rest at DEBUG; the recovery at INFO
+    assert [r.levelno for r in retries] == [logging.WARNING, logging.DEBUG]
     assert "retry 1/3" in retries[0].getMessage() and "ConnectionError" in retries[0].getMessage()
+    assert "retry 2/3" in retries[1].getMessage() and "TimeoutError" in retries[1].getMessage()
+    assert any("succeed again" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
+    caplog.clear()
+    failures.append(ConnectionError("again"))
+    with caplog.at_level(logging.WARNING, logger="pipedream_ft.checkpoint.storage"):
+        st.write_bytes("y.bin", b"ok")  # a new run of failures after a success warns again
+    assert len([r for r in caplog.records if "retry 1/3" in r.getMessage()]) == 1
 
 
 def test_retries_exhausted_raise_storage_error(tmp_path) -> None:

@@ -7,7 +7,9 @@ Typical use, on every rank::
     writer = CheckpointWriter(storage, f"stage{stage}-r{replica}", expected_parts=all_parts,
                               is_committer=(rank == 0), metadata={"plan_hash": plan_hash})
     ...
-    handle = writer.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+    # weight versions are never modified after creation: referenced, not copied; the rest is copied
+    handle = writer.save(step, {"versions": immutable(versions), "optim": opt.state_dict()})
+    ...                                            # stage 0 defers its next cut while writer.backlog > 0
     ...
     writer.close()
 
@@ -18,22 +20,31 @@ and on restart::
 
 from __future__ import annotations
 
+from .checksum import ALGORITHMS as CHECKSUM_ALGORITHMS
 from .format import CheckpointError, CommitRecord, CorruptCheckpointError, PartMeta
-from .reader import check_compatible, latest_committed, list_committed, load_latest, load_part, read_commit
-from .storage import RetryConfig, Storage, StorageError
+from .reader import (check_compatible, decode_verified, latest_committed, list_committed, load_latest, load_part,
+                     read_commit)
+from .snapshot import Immutable, SnapshotPool, immutable
+from .storage import Buffers, RetryConfig, Storage, StorageError
 from .writer import CheckpointWriter, SaveHandle
 
 __all__ = [
+    "CHECKSUM_ALGORITHMS",
+    "Buffers",
     "CheckpointError",
     "CheckpointWriter",
     "CommitRecord",
     "CorruptCheckpointError",
+    "Immutable",
     "PartMeta",
     "RetryConfig",
     "SaveHandle",
+    "SnapshotPool",
     "Storage",
     "StorageError",
     "check_compatible",
+    "decode_verified",
+    "immutable",
     "latest_committed",
     "list_committed",
     "load_latest",

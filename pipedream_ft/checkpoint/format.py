@@ -1,19 +1,22 @@
-"""On-storage layout and serialization of checkpoints.
+"""On-storage layout and records of checkpoints.
 
 Layout under a checkpoint root URL::
 
     step-0000000120/
-        part-stage0.pt       # torch.save of the part's state (nested dict of CPU tensors + plain values)
-        part-stage0.json     # part meta: name, step, sha256, size (written after the .pt is durable)
+        part-stage0.pt       # the part's state in the tensorfile format (JSON header + raw tensor bytes)
+        part-stage0.json     # part meta: name, step, checksum, size (written after the part is durable)
         part-stage1.pt
         part-stage1.json
         COMMIT.json          # commit record, written last and atomically by the committer
 
-A checkpoint is *committed* iff its ``COMMIT.json`` exists; the commit record carries the checksum of
-every part, so a reader never needs the part meta files.
+A checkpoint is *committed* iff its ``COMMIT.json`` exists; the commit record carries the checksum
+(``"crc32:<hex>"`` by default, ``"sha256:<hex>"`` optionally) and size of every part, so a reader
+never needs the part meta files.
 
-Parts are serialized with :func:`torch.save` and only ever loaded with ``torch.load(weights_only=True)``:
-loading a checkpoint never unpickles arbitrary objects.
+Format 2 (this one) writes parts with :mod:`.tensorfile`: decoding parses JSON and views raw bytes, nothing is
+unpickled. Format 1 checkpoints (``torch.save`` parts, SHA-256 in records with ``"format": 1``) are still
+read, only ever with ``torch.load(weights_only=True)``; a part's first bytes tell the two formats apart (the
+file name ``part-*.pt`` is the same in both).
 """
 
 from __future__ import annotations
@@ -28,9 +31,12 @@ from typing import Any, Mapping
 
 import torch
 
+from .checksum import parse_checksum
+
 __all__ = [
     "COMMIT_FILE",
     "FORMAT_VERSION",
+    "KEY_CHECKSUM",
     "KEY_FORMAT",
     "KEY_METADATA",
     "KEY_NAME",
@@ -47,6 +53,7 @@ __all__ = [
     "CommitRecord",
     "CorruptCheckpointError",
     "PartMeta",
+    "READABLE_FORMAT_VERSIONS",
     "commit_path",
     "deserialize_state",
     "normalize_metadata",
@@ -63,8 +70,11 @@ __all__ = [
 
 # ----------------------------------------------------------------------------------------------- layout
 
-FORMAT_VERSION = 1
-"""Version of the layout and of the JSON records; bumped on incompatible changes."""
+FORMAT_VERSION = 2
+"""Version of the layout and of the JSON records written; bumped on incompatible changes."""
+READABLE_FORMAT_VERSIONS = (1, 2)
+"""1: records with ``sha256`` (parts written by ``torch.save``); 2: records with ``checksum`` (parts written as
+:mod:`.tensorfile`, or ``torch.save`` parts carried over). A part's own format is told by its first bytes."""
 
 STEP_DIR_PREFIX = "step-"
 PART_PREFIX = "part-"
@@ -76,6 +86,7 @@ KEY_FORMAT = "format"
 KEY_STEP = "step"
 KEY_NAME = "name"
 KEY_SHA256 = "sha256"
+KEY_CHECKSUM = "checksum"
 KEY_SIZE = "size"
 KEY_PARTS = "parts"
 KEY_WALL_TIME = "wall_time"
@@ -124,6 +135,7 @@ def parse_step_dir(name: str) -> int | None:
 
 
 def part_data_path(step: int, name: str) -> str:
+    """Path of a part file (the name is the same in both formats: the content tells them apart)."""
     return f"{step_dir(step)}/{PART_PREFIX}{validate_part_name(name)}{PART_DATA_SUFFIX}"
 
 
@@ -144,38 +156,62 @@ def sha256_hex(data: bytes) -> str:
 
 @dataclass(frozen=True, slots=True)
 class PartMeta:
-    """What is known about one durable part: its name, step, checksum and size in bytes."""
+    """What is known about one durable part: its name, step, checksum and size."""
 
     name: str
     """Part name (e.g. ``stage0`` or ``rank3``)."""
     step: int
     """Update number of the checkpoint."""
-    sha256: str
-    """Hex SHA-256 of the serialized part file."""
+    checksum: str
+    """Checksum of the part file, ``"<algorithm>:<hex>"`` (see :mod:`.checksum`); a bare 64-digit hex string
+    is taken as a SHA-256 (the previous format)."""
     size: int
-    """Size of the serialized part file in bytes."""
+    """Size of the part file in bytes."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.checksum, str) and _SHA256_RE.match(self.checksum):
+            object.__setattr__(self, "checksum", f"sha256:{self.checksum}")
+
+    @property
+    def sha256(self) -> str | None:
+        """The hex SHA-256, if that is the checksum's algorithm."""
+        algo, digest = self.checksum.split(":", 1)
+        return digest if algo == "sha256" else None
+
+    def path(self) -> str:
+        """Path of the part file relative to the checkpoint root."""
+        return part_data_path(self.step, self.name)
+
+    def _entry(self) -> dict[str, Any]:
+        return {KEY_CHECKSUM: self.checksum, KEY_SIZE: self.size}
 
     def to_json(self) -> bytes:
-        doc = {
-            KEY_FORMAT: FORMAT_VERSION,
-            KEY_NAME: self.name,
-            KEY_STEP: self.step,
-            KEY_SHA256: self.sha256,
-            KEY_SIZE: self.size,
-        }
+        doc = {KEY_FORMAT: FORMAT_VERSION, KEY_NAME: self.name, KEY_STEP: self.step, **self._entry()}
         return json.dumps(doc, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> PartMeta:
-        """Parse a part meta file; raise :class:`CorruptCheckpointError` if it is malformed."""
+        """Parse a part meta file (this format or the previous one); raise :class:`CorruptCheckpointError`
+        if it is malformed."""
         doc = _load_json(data, "part meta")
-        _check_format(doc, "part meta")
-        return cls(
-            name=_get(doc, KEY_NAME, str, "part meta"),
-            step=_get(doc, KEY_STEP, int, "part meta"),
-            sha256=_get_sha(doc, "part meta"),
-            size=_get(doc, KEY_SIZE, int, "part meta"),
-        )
+        version = _check_format(doc, "part meta")
+        name = _get(doc, KEY_NAME, str, "part meta")
+        step = _get(doc, KEY_STEP, int, "part meta")
+        return _part(name, step, doc, version, "part meta")
+
+
+def _part(name: str, step: int, entry: Mapping[str, Any], version: int, what: str) -> PartMeta:
+    if not isinstance(name, str) or not _PART_NAME_RE.match(name):
+        raise CorruptCheckpointError(f"{what}: bad part name {name!r}")
+    size = _get(entry, KEY_SIZE, int, what)
+    if version == 1:
+        return PartMeta(name, step, _get_sha(entry, what), size)
+    value = entry.get(KEY_CHECKSUM)
+    try:
+        parse_checksum(value)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{what}: {exc}") from None
+    return PartMeta(name, step, value, size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,19 +232,18 @@ class CommitRecord:
             KEY_FORMAT: FORMAT_VERSION,
             KEY_STEP: self.step,
             KEY_WALL_TIME: self.wall_time,
-            KEY_PARTS: {
-                name: {KEY_SHA256: p.sha256, KEY_SIZE: p.size} for name, p in sorted(self.parts.items())
-            },
+            KEY_PARTS: {name: p._entry() for name, p in sorted(self.parts.items())},
             KEY_METADATA: dict(self.metadata),
         }
         return json.dumps(doc, sort_keys=True, indent=1).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> CommitRecord:
-        """Parse a commit record; raise :class:`CorruptCheckpointError` if it is malformed."""
+        """Parse a commit record (this format or the previous one); raise :class:`CorruptCheckpointError` if
+        it is malformed."""
         what = "commit record"
         doc = _load_json(data, what)
-        _check_format(doc, what)
+        version = _check_format(doc, what)
         step = _get(doc, KEY_STEP, int, what)
         wall_time = doc.get(KEY_WALL_TIME)
         if isinstance(wall_time, bool) or not isinstance(wall_time, (int, float)):
@@ -220,12 +255,7 @@ class CommitRecord:
         for name, entry in raw_parts.items():
             if not isinstance(entry, dict):
                 raise CorruptCheckpointError(f"{what}: part {name!r} must be an object, got {entry!r}")
-            parts[name] = PartMeta(
-                name=name,
-                step=step,
-                sha256=_get_sha(entry, f"{what} part {name!r}"),
-                size=_get(entry, KEY_SIZE, int, f"{what} part {name!r}"),
-            )
+            parts[name] = _part(name, step, entry, version, f"{what} part {name!r}")
         metadata = doc.get(KEY_METADATA, {})
         if not isinstance(metadata, dict):
             raise CorruptCheckpointError(f"{what}: '{KEY_METADATA}' must be an object, got {metadata!r}")
@@ -254,10 +284,14 @@ def _load_json(data: bytes, what: str) -> dict[str, Any]:
     return doc
 
 
-def _check_format(doc: Mapping[str, Any], what: str) -> None:
+def _check_format(doc: Mapping[str, Any], what: str) -> int:
     version = doc.get(KEY_FORMAT)
-    if version != FORMAT_VERSION:
-        raise CorruptCheckpointError(f"{what}: unsupported format version {version!r} (expected {FORMAT_VERSION})")
+    if version not in READABLE_FORMAT_VERSIONS or isinstance(version, bool):
+        raise CorruptCheckpointError(
+            f"{what}: unsupported format version {version!r} (this version reads "
+            f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))})"
+        )
+    return int(version)
 
 
 def _get(doc: Mapping[str, Any], key: str, typ: type, what: str) -> Any:

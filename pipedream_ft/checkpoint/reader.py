@@ -1,7 +1,9 @@
 """Reading committed checkpoints: find them, verify them, load them, check they fit the current run.
 
 Only committed checkpoints (with a ``COMMIT.json``) are ever read. A part is verified against the size and
-SHA-256 recorded in the commit record before it is deserialized with ``torch.load(weights_only=True)``.
+checksum recorded in the commit record before it is decoded: :mod:`.tensorfile` parts are parsed (JSON header,
+tensors viewing the bytes read; nothing is unpickled), parts of the previous format (``torch.save``) are loaded
+with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ from .format import (
     deserialize_state,
     parse_step_dir,
     part_data_path,
-    sha256_hex,
     validate_part_name,
     validate_step,
 )
+from .checksum import checksum, parse_checksum
 from .storage import Storage
+from .tensorfile import decode_part, is_tensorfile
 
 __all__ = [
     "check_compatible",
+    "decode_verified",
     "latest_committed",
     "list_committed",
     "load_latest",
@@ -94,28 +98,30 @@ def load_part(
             f"checkpoint step {step} has no part {part_name!r} (parts: {', '.join(sorted(record.parts))})"
         )
     try:
-        data = storage.read_bytes(part_data_path(step, part_name))
+        data = storage.read_buffer(part_data_path(step, part_name))
     except FileNotFoundError:
         raise CorruptCheckpointError(f"checkpoint step {step}: part {part_name!r} is missing") from None
-    if verify:
-        if len(data) != info.size:
-            raise CorruptCheckpointError(
-                f"checkpoint step {step}: part {part_name!r} has {len(data)} bytes, commit record says {info.size}"
-            )
-        digest = sha256_hex(data)
-        if digest != info.sha256:
-            raise CorruptCheckpointError(
-                f"checkpoint step {step}: part {part_name!r} sha256 {digest} does not match the commit record"
-                f" ({info.sha256})"
-            )
+    return decode_verified(data, info.checksum if verify else None, info.size if verify else None,
+                           f"checkpoint step {step}: part {part_name!r}")
+
+
+def decode_verified(data: bytearray | bytes, expected_checksum: str | None, expected_size: int | None,
+                    what: str) -> dict[str, Any]:
+    """Verify a part file's bytes (size, checksum ``"algo:hex"``; ``None`` skips a check) and decode them
+    (either format). Raises :class:`CorruptCheckpointError` starting with ``what`` on any mismatch."""
+    if expected_size is not None and len(data) != expected_size:
+        raise CorruptCheckpointError(f"{what} has {len(data)} bytes, the record says {expected_size}")
+    if expected_checksum is not None:
+        algorithm, _ = parse_checksum(expected_checksum)
+        got = checksum([data], algorithm)
+        if got != expected_checksum:
+            raise CorruptCheckpointError(f"{what}: checksum {got} does not match the record ({expected_checksum})")
     try:
-        state = deserialize_state(data)
+        state = decode_part(data) if is_tensorfile(data) else deserialize_state(bytes(data))
     except CorruptCheckpointError as exc:
-        raise CorruptCheckpointError(f"checkpoint step {step}: part {part_name!r}: {exc}") from None
+        raise CorruptCheckpointError(f"{what}: {exc}") from None
     if not isinstance(state, dict):
-        raise CorruptCheckpointError(
-            f"checkpoint step {step}: part {part_name!r} holds a {type(state).__name__}, expected a dict"
-        )
+        raise CorruptCheckpointError(f"{what} holds a {type(state).__name__}, expected a dict")
     return state
 
 

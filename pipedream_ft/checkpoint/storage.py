@@ -4,6 +4,8 @@ Paths given to :class:`Storage` methods are relative to the root URL and use ``/
 
 * Local paths (a plain path or ``file://...``) are written atomically and durably: a temporary file in the
   same directory is written, flushed and fsynced, renamed over the target, and the directory is fsynced.
+  Large parts given as :class:`Buffers` are written with ``O_DIRECT`` (:mod:`.directio`) where the file system
+  allows it.
 * Object stores (``s3://bucket/prefix`` through s3fs, ...) get a single put per object, which is atomic.
 
 ``fsspec`` (and s3fs) are imported lazily, on the first operation on a non-local URL.
@@ -26,9 +28,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, TypeVar
 
+from . import directio
 from .format import CheckpointError
 
-__all__ = ["RetryConfig", "Storage", "StorageError"]
+__all__ = ["Buffers", "RetryConfig", "Storage", "StorageError"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,8 @@ _SECRET_ENV = (
 )
 _URL_USERINFO_RE = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)[^/@\s]+@")
 _PERMANENT_ERRNOS = {
+    errno.ENOSPC,  # a full disk does not empty itself within a few retries; the writer retries at its pace
+    errno.EDQUOT,
     errno.ENOENT,
     errno.EACCES,
     errno.EPERM,
@@ -66,12 +71,48 @@ _PERMANENT_NAMES = {
     "ProfileNotFound",
     "ConfigNotFound",
 }
+_DIRECT_MIN_BYTES = 1 << 20
 _BUCKET_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "oss"}
 _S3_DEFAULT_CONFIG = {"connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 2}}
 
 
 class StorageError(CheckpointError):
     """A storage operation failed permanently, or kept failing after all retries."""
+
+
+class Buffers:
+    """The bytes of a file as a sequence of buffers (memoryviews of tensors, headers), written without being
+    joined. ``len()`` is the total size; slicing (``b[i:j]``) returns ``bytes`` (a copy of that range)."""
+
+    __slots__ = ("chunks", "_size")
+
+    def __init__(self, chunks: Any) -> None:
+        self.chunks: list[memoryview] = [memoryview(c).cast("B") for c in chunks]
+        self._size = sum(len(c) for c in self.chunks)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __iter__(self) -> Any:
+        return iter(self.chunks)
+
+    def __getitem__(self, index: slice) -> bytes:
+        if not isinstance(index, slice):
+            raise TypeError(f"Buffers supports slices only, got {type(index).__name__}")
+        start, stop, stride = index.indices(self._size)
+        if stride != 1:
+            raise ValueError(f"Buffers supports contiguous slices only, got step {stride}")
+        out, pos = bytearray(), 0
+        for c in self.chunks:
+            lo, hi = max(start - pos, 0), min(stop - pos, len(c))
+            if lo < hi:
+                out += c[lo:hi]
+            pos += len(c)
+        return bytes(out)
+
+    def join(self) -> bytes:
+        """All the bytes in one object (a copy)."""
+        return b"".join(self.chunks)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -126,6 +167,9 @@ class Storage:
             botocore timeouts and a single botocore retry are used unless ``config_kwargs`` sets them, since
             this layer retries by itself.
         retry: how transient errors are retried.
+        direct_io: on local disk, write large parts (:class:`Buffers` of 1 MiB or more) with ``O_DIRECT``
+            (:mod:`.directio`: a fraction of the CPU time of a write through the page cache); turned off by itself
+            where the file system refuses it.
     """
 
     def __init__(
@@ -134,6 +178,7 @@ class Storage:
         storage_options: Mapping[str, Any] | None = None,
         *,
         retry: RetryConfig | None = None,
+        direct_io: bool = True,
     ) -> None:
         if not isinstance(url, (str, os.PathLike)):
             raise TypeError(f"url must be a str or path, got {type(url).__name__}")
@@ -160,9 +205,13 @@ class Storage:
         if _is_local_url(url):
             path = url[len("file://") :] if url.startswith("file://") else url
             self._local_root = os.path.abspath(os.path.expanduser(path))
+        self.direct_io: bool = bool(direct_io)
+        """Whether large local writes use O_DIRECT (set to False when the file system refuses it)."""
         self._fs: Any = None
         self._root = ""
         self._fs_lock = threading.Lock()
+        self._failing_since: float | None = None
+        """``time.monotonic()`` of the first retried failure since the last success (``None`` when healthy)."""
 
     # ------------------------------------------------------------------------------------ helpers
 
@@ -246,8 +295,9 @@ class Storage:
         delay = cfg.delay_s
         for attempt in range(1, cfg.attempts + 1):
             try:
-                return fn()
+                result = fn()
             except FileNotFoundError:
+                self._healthy()
                 raise
             except Exception as exc:
                 transient = self._is_transient(exc)
@@ -256,8 +306,13 @@ class Storage:
                     raise StorageError(
                         f"checkpoint storage {self.url}: {op} {rel!r} failed{tail}: {self.describe_error(exc)}"
                     ) from None
-                logger.warning(
-                    "checkpoint storage %s: %s %r failed (%s); retry %d/%d in %.2fs",
+                first = self._failing_since is None
+                if first:
+                    self._failing_since = time.monotonic()
+                logger.log(
+                    logging.WARNING if first else logging.DEBUG,
+                    "checkpoint storage %s: %s %r failed (%s); retry %d/%d in %.2fs"
+                    + ("; further retries are logged at DEBUG until an operation succeeds" if first else ""),
                     self.url,
                     op,
                     rel,
@@ -268,44 +323,61 @@ class Storage:
                 )
                 time.sleep(delay)
                 delay = min(delay * cfg.backoff, cfg.max_delay_s)
+                continue
+            self._healthy()
+            return result
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _healthy(self) -> None:
+        since, self._failing_since = self._failing_since, None
+        if since is not None:
+            logger.info("checkpoint storage %s: operations succeed again after %.1fs", self.url, time.monotonic() - since)
 
     # -------------------------------------------------------------------------------- operations
 
-    def write_bytes(self, rel: str, data: bytes) -> None:
-        """Write ``data`` to ``rel`` atomically (readers see the old object, or the complete new one)."""
+    def write_bytes(self, rel: str, data: bytes | bytearray | memoryview | Buffers) -> None:
+        """Write ``data`` to ``rel`` atomically (readers see the old object, or the complete new one).
+
+        ``data`` may be a :class:`Buffers`: on local disk its chunks are written one after the other (no
+        copy) and fsynced once; object stores get them joined into a single put."""
         self._check_rel(rel)
-        if not isinstance(data, (bytes, bytearray, memoryview)):
+        if not isinstance(data, (bytes, bytearray, memoryview, Buffers)):
             raise TypeError(f"data must be bytes, got {type(data).__name__}")
-        data = bytes(data)
         if self.is_local:
+            if not isinstance(data, Buffers):
+                data = bytes(data)  # the caller may change a bytearray while we retry
             self._call("write", rel, lambda: self._write_local(rel, data))
         else:
+            body = data.join() if isinstance(data, Buffers) else bytes(data)
             path = self._remote(rel)
 
             def put() -> None:
                 fs, _ = self._filesystem()
-                fs.pipe_file(path, data)
+                fs.pipe_file(path, body)
                 fs.invalidate_cache(path)
 
             self._call("write", rel, put)
 
-    def _write_local(self, rel: str, data: bytes) -> None:
+    def _write_local(self, rel: str, data: bytes | Buffers, durable: bool = True) -> None:
         path = self._local(rel)
         directory = os.path.dirname(path)
         created = not os.path.isdir(directory)
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f".{os.path.basename(path)}{_TMP_MARKER}{uuid.uuid4().hex[:12]}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            try:
-                view = memoryview(data)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            direct = self._write_file_direct(tmp, data, durable)
+            if not direct:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    for chunk in data.chunks if isinstance(data, Buffers) else (data,):
+                        view = memoryview(chunk)
+                        while view:
+                            n = os.write(fd, view)
+                            view = view[n:]
+                    if durable:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
             os.replace(tmp, path)
         except BaseException:
             try:
@@ -313,9 +385,49 @@ class Storage:
             except OSError:
                 pass
             raise
-        _fsync_dir(directory)
-        if created:
-            _fsync_dir(os.path.dirname(directory))
+        if durable:
+            _fsync_dir(directory)
+            if created:
+                _fsync_dir(os.path.dirname(directory))
+
+    def _write_file_direct(self, tmp: str, data: bytes | Buffers, durable: bool) -> bool:
+        """Write ``tmp`` with O_DIRECT if it pays (large :class:`Buffers`, durable) and the file system allows it;
+        returns False (nothing left behind) where it does not, so the caller writes it buffered."""
+        if not (self.direct_io and durable and isinstance(data, Buffers) and len(data) >= _DIRECT_MIN_BYTES):
+            return False
+        try:
+            fd = directio.open_direct(tmp)
+        except directio.DirectIOUnsupported:
+            self.direct_io = False
+            logger.info("checkpoint storage %s: O_DIRECT refused by the file system; writing through the page "
+                        "cache", self.url)
+            return False
+        try:
+            directio.write_direct(fd, data.chunks)
+            os.fsync(fd)
+        except directio.DirectIOUnsupported:
+            self.direct_io = False
+            logger.info("checkpoint storage %s: O_DIRECT write refused; writing through the page cache", self.url)
+            os.close(fd)
+            os.unlink(tmp)
+            return False
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        return True
+
+    def write_bytes_unsynced(self, rel: str, data: bytes) -> None:
+        """Like :meth:`write_bytes` (atomic) but, on local disk, without fsync: for small records whose loss in
+        a machine crash is harmless (a part's meta file: the commit record that matters is durable)."""
+        self._check_rel(rel)
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"data must be bytes, got {type(data).__name__}")
+        if not self.is_local:
+            self.write_bytes(rel, data)
+            return
+        data = bytes(data)
+        self._call("write", rel, lambda: self._write_local(rel, data, durable=False))
 
     def read_bytes(self, rel: str) -> bytes:
         """The content of ``rel``; ``FileNotFoundError`` if it does not exist."""
@@ -330,6 +442,53 @@ class Storage:
             return self._call("read", rel, read_local)
         path = self._remote(rel)
         return self._call("read", rel, lambda: self._filesystem()[0].cat_file(path))
+
+    def read_buffer(self, rel: str) -> bytearray:
+        """The content of ``rel`` in a new, writable ``bytearray`` (read in place on local disk, so tensors can
+        view it without another copy); ``FileNotFoundError`` if it does not exist."""
+        self._check_rel(rel)
+        if self.is_local:
+            path = self._local(rel)
+
+            def read_local() -> bytearray:
+                with open(path, "rb", buffering=0) as f:
+                    size = os.fstat(f.fileno()).st_size
+                    buf = bytearray(size)
+                    view, got = memoryview(buf), 0
+                    while got < size:
+                        n = f.readinto(view[got:])
+                        if not n:
+                            break
+                        got += n
+                    return buf if got == size else buf[:got]
+
+            return self._call("read", rel, read_local)
+        return bytearray(self.read_bytes(rel))
+
+    def size(self, rel: str) -> int | None:
+        """Size in bytes of the object ``rel``, or ``None`` if it does not exist."""
+        self._check_rel(rel)
+        if self.is_local:
+            path = self._local(rel)
+
+            def size_local() -> int | None:
+                try:
+                    return os.stat(path).st_size
+                except FileNotFoundError:
+                    return None
+
+            return self._call("size", rel, size_local)
+        path = self._remote(rel)
+
+        def size_remote() -> int | None:
+            fs, _ = self._filesystem()
+            fs.invalidate_cache(path)
+            try:
+                return int(fs.info(path)["size"])
+            except FileNotFoundError:
+                return None
+
+        return self._call("size", rel, size_remote)
 
     def exists(self, rel: str) -> bool:
         """Whether the object (or directory) ``rel`` exists."""

@@ -1,32 +1,55 @@
-"""Asynchronous checkpoint writer: snapshot now, persist in a background thread, commit when all parts are durable.
+"""Asynchronous checkpoint writer: snapshot now, persist in a low-priority thread, commit when all parts are durable.
 
-Every rank owns one :class:`CheckpointWriter` writing its *part* of each checkpoint. :meth:`CheckpointWriter.save`
-copies the state to CPU immediately (the only time training waits) and queues it; one background thread per
-writer serializes and persists the queued snapshots in order:
+Every rank owns one :class:`CheckpointWriter` writing its *part* of each checkpoint.
+
+**Save.** :meth:`CheckpointWriter.save` takes a snapshot (:mod:`.snapshot`) — the only time training waits:
+tensors marked :func:`~.snapshot.immutable` are referenced, every other tensor is copied into reused buffers —
+and queues it. One background thread per writer, running at a low CPU priority (``persist_nice``, default 19:
+it gets the CPU only when training leaves a core idle), persists the queued snapshots in order:
 
 1. delete a stale part meta left by an earlier run, if any;
-2. write ``part-{name}.pt`` atomically, then ``part-{name}.json`` (name, step, sha256, size) atomically.
+2. write ``part-{name}.pt`` (:mod:`.tensorfile`: JSON header, then the tensors' bytes straight from memory, no
+   serialization copy) atomically with a single fsync, then ``part-{name}.json`` (name, step, checksum, size).
 
 On the committer (one writer among all ranks, ``is_committer=True``) the thread then polls storage until the meta
-of every part in ``expected_parts`` exists for that step, and writes ``COMMIT.json`` (last, atomically) with every
-part's checksum, then garbage-collects: keeps the newest ``keep`` committed checkpoints and removes uncommitted
-step directories older than the newest commit.
+of every part in ``expected_parts`` exists for that step and the part file it describes has the recorded size,
+and writes ``COMMIT.json`` (last, atomically, durably) with every part's checksum, then garbage-collects: keeps
+the newest ``keep`` committed checkpoints and removes uncommitted step directories older than the newest commit.
 
-Failures never block training: a part that cannot be written is retried (with backoff) until the step's deadline
-(``commit_timeout_s`` after ``save``) or until a newer save is queued; a step whose parts do not all appear before
-the deadline is given up (warning, no commit). A commit record is never written unless every part's meta, which
-is written only after the part itself is durable, was read back.
+**Never dropped.** The writer never drops a save on its own. Contract with the caller (the runtime):
+
+* :attr:`CheckpointWriter.backlog` is the number of saves not finished yet: not durable (on every writer), or
+  not committed (on the committer). Stage 0 runs on rank 0, the committer: before deciding a new cut it
+  passes ``busy=writer.backlog > 0`` to :meth:`~pipedream_ft.policies.CheckpointPolicy.should_save`, which then
+  defers the checkpoint (stretching the interval, and logging it) instead of queueing saves that storage
+  cannot absorb. Since every part is durable before its step commits, the other ranks' backlogs are then
+  empty whenever stage 0 decides a cut.
+* If a caller queues faster anyway, :meth:`save` waits (training waits, with a warning) while ``max_queued``
+  saves are queued; nothing is dropped.
+* :attr:`CheckpointWriter.last_committed` (committer) and :attr:`CheckpointWriter.last_durable` give the newest
+  committed step and the newest durable part; every :class:`SaveHandle` carries the measured ``snapshot_s``
+  (blocking), ``persist_s`` / ``persist_cpu_s`` (background) and ``commit_s``, to feed
+  :meth:`~pipedream_ft.policies.CheckpointPolicy.observe`.
+
+**Failures never block training.** A part that cannot be written is retried (with backoff) until the step's
+deadline (``commit_timeout_s`` after ``save``) or until a newer save is queued; a step whose parts do not all
+appear (or whose part files vanished) before the deadline is given up (no commit). A commit record is never
+written unless every part's meta, written only after the part itself is durable, was read back and the part
+file has the recorded size. The log says once what failed and how long since the last commit; further failures
+go to DEBUG until storage works again, which is logged too.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from .checksum import DEFAULT_ALGORITHM, checksum, validate_algorithm
 from .format import (
     CheckpointError,
     CommitRecord,
@@ -37,18 +60,31 @@ from .format import (
     parse_step_dir,
     part_data_path,
     part_meta_path,
-    serialize_state,
-    sha256_hex,
-    snapshot_state,
     step_dir,
     validate_part_name,
     validate_step,
 )
-from .storage import Storage
+from .snapshot import Snapshot, SnapshotPool
+from .storage import Buffers, Storage
+from .tensorfile import encode_part
 
-__all__ = ["CheckpointWriter", "SaveHandle"]
+__all__ = ["CheckpointWriter", "SaveHandle", "lower_thread_priority"]
 
 logger = logging.getLogger(__name__)
+
+
+def lower_thread_priority(nice: int) -> bool:
+    """Set the calling thread's nice value to ``nice`` (Linux: threads have their own). Returns whether it
+    worked; raising the priority (lowering the value) needs privileges and is not attempted."""
+    if not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return False
+    try:
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        return True
+    except OSError:
+        return False
 
 
 class SaveHandle:
@@ -58,15 +94,26 @@ class SaveHandle:
     and on the committer the commit record is written (or the commit was given up).
     """
 
-    __slots__ = ("step", "snapshot_s", "persist_s", "commit_s", "error", "committed", "finished_at", "_event")
+    __slots__ = (
+        "step", "snapshot_s", "copied_bytes", "referenced_bytes", "persist_s", "persist_cpu_s", "bytes",
+        "commit_s", "error", "committed", "finished_at", "_event",
+    )
 
-    def __init__(self, step: int, snapshot_s: float) -> None:
+    def __init__(self, step: int, snapshot_s: float, copied_bytes: int = 0, referenced_bytes: int = 0) -> None:
         self.step: int = step
         """Update number of the checkpoint."""
         self.snapshot_s: float = snapshot_s
-        """Seconds spent copying the state (the time training waited)."""
+        """Seconds :meth:`CheckpointWriter.save` blocked (the snapshot: the time training waited)."""
+        self.copied_bytes: int = copied_bytes
+        """Bytes of mutable tensors copied by the snapshot."""
+        self.referenced_bytes: int = referenced_bytes
+        """Bytes of immutable tensors referenced by the snapshot, not copied."""
         self.persist_s: float | None = None
-        """Seconds spent serializing and writing this writer's part (``None`` until done)."""
+        """Seconds from the persist thread taking the save to the part being durable (``None`` until then)."""
+        self.persist_cpu_s: float | None = None
+        """CPU seconds the persist thread spent on it (encoding, checksum, writing; not the waits)."""
+        self.bytes: int | None = None
+        """Size of the part file written."""
         self.commit_s: float | None = None
         """Committer only: seconds from the part being durable to the commit record being written."""
         self.error: BaseException | None = None
@@ -76,6 +123,11 @@ class SaveHandle:
         self.finished_at: float | None = None
         """Wall-clock time (``time.time()``) the handle became done."""
         self._event = threading.Event()
+
+    @property
+    def blocking_s(self) -> float:
+        """Same as :attr:`snapshot_s`."""
+        return self.snapshot_s
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -97,7 +149,7 @@ class SaveHandle:
 @dataclass(slots=True)
 class _Job:
     step: int
-    state: Any
+    snapshot: Snapshot
     metadata: dict[str, Any]
     handle: SaveHandle
     deadline: float
@@ -113,8 +165,29 @@ class _Pending:
     found: dict[str, PartMeta] = field(default_factory=dict)
 
 
-class _Superseded(Exception):
-    pass
+class _Trouble:
+    """Logs a run of failures once: a WARNING for the first, DEBUG for the rest, INFO when it ends."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.since: float | None = None
+        self.count = 0
+
+    def fail(self, message: str, *args: Any) -> None:
+        self.count += 1
+        if self.since is None:
+            self.since = time.monotonic()
+            logger.warning(
+                f"{self.what}: {message}; training goes on; further failures are logged at DEBUG until it works again",
+                *args,
+            )
+        else:
+            logger.debug(f"{self.what}: {message}", *args)
+
+    def ok(self, message: str) -> None:
+        if self.since is not None:
+            logger.info("%s: %s after %.1fs (%d failures)", self.what, message, time.monotonic() - self.since, self.count)
+        self.since, self.count = None, 0
 
 
 class CheckpointWriter:
@@ -132,8 +205,10 @@ class CheckpointWriter:
         on_commit: committer only: called with the step in the background thread after each commit.
         poll_interval_s: first delay between polls for missing parts (doubled up to ``max_poll_interval_s``).
         max_poll_interval_s: longest delay between polls and between retries of a failed write.
-        max_queued: saves waiting to be persisted beyond this many are dropped, oldest first, so that
-            memory stays bounded and training never blocks when storage is slow.
+        max_queued: :meth:`save` waits while this many saves are queued (never drops one). Callers should not
+            get there: see :attr:`backlog`.
+        checksum: ``"crc32"`` (default, fast) or ``"sha256"`` (see :mod:`.checksum`).
+        persist_nice: nice value of the persist thread (``None``: leave it as the caller's).
     """
 
     def __init__(
@@ -150,6 +225,8 @@ class CheckpointWriter:
         poll_interval_s: float = 0.05,
         max_poll_interval_s: float = 2.0,
         max_queued: int = 2,
+        checksum: str = DEFAULT_ALGORITHM,
+        persist_nice: int | None = 19,
     ) -> None:
         if not isinstance(storage, Storage):
             raise TypeError(f"storage must be a Storage, got {type(storage).__name__}")
@@ -178,6 +255,10 @@ class CheckpointWriter:
             raise ValueError(f"max_queued must be an int >= 1, got {max_queued!r}")
         if on_commit is not None and not callable(on_commit):
             raise TypeError(f"on_commit must be callable, got {type(on_commit).__name__}")
+        validate_algorithm(checksum)
+        if persist_nice is not None and (isinstance(persist_nice, bool) or not isinstance(persist_nice, int)
+                                         or not -20 <= persist_nice <= 19):
+            raise ValueError(f"persist_nice must be None or an int in [-20, 19], got {persist_nice!r}")
 
         self.storage = storage
         self.part_name = part_name
@@ -190,64 +271,90 @@ class CheckpointWriter:
         self.poll_interval_s = float(poll_interval_s)
         self.max_poll_interval_s = float(max_poll_interval_s)
         self.max_queued = max_queued
+        self.checksum = checksum
+        self.persist_nice = persist_nice
 
+        self._pool = SnapshotPool(max_arenas=max_queued + 1)
         self._cond = threading.Condition()
         self._queue: collections.deque[_Job] = collections.deque()
         self._pending: dict[int, _Pending] = {}
         self._outstanding = 0
         self._last_step: int | None = None
+        self._last_committed: int | None = None
+        self._last_durable: int | None = None
+        self._started = time.monotonic()
+        self._progress_at = self._started
         self._closing = False
         self._closed = False
         self._poll_delay = self.poll_interval_s
-        self._thread = threading.Thread(
-            target=self._run, name=f"checkpoint-writer-{part_name}", daemon=True
-        )
+        self._write_trouble = _Trouble(f"checkpoint part {part_name}")
+        self._commit_trouble = _Trouble("checkpoint commit")
+        self._thread = threading.Thread(target=self._run, name=f"checkpoint-writer-{part_name}", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------------------ public API
 
     def save(self, step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None = None) -> SaveHandle:
-        """Snapshot ``state`` now and persist it in the background; return immediately after the snapshot.
+        """Snapshot ``state`` now and persist it in the background; return right after the snapshot.
 
-        ``state`` is a dict of tensors and plain Python values (nested lists/tuples/dicts allowed). Tensors are
-        copied to CPU before this returns, so the caller may modify them right away. Steps must increase.
+        ``state`` is a dict of tensors and plain Python values (nested lists/tuples/dicts allowed). Tensors not
+        marked :func:`~.snapshot.immutable` are copied before this returns, so the caller may modify them right
+        away; immutable ones must never be modified. Steps must increase. Storage failures never raise here.
         """
         validate_step(step)
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a dict, got {type(state).__name__}")
         meta = dict(self.metadata)
         meta.update(normalize_metadata(metadata))
-        with self._cond:
-            if self._closing:
-                raise CheckpointError(f"checkpoint writer {self.part_name!r} is closed")
-            if self._last_step is not None and step <= self._last_step:
-                raise ValueError(f"step must increase: got {step} after {self._last_step}")
         t0 = time.perf_counter()
-        snap = snapshot_state(dict(state))
-        handle = SaveHandle(step, time.perf_counter() - t0)
-        deadline = time.monotonic() + self.commit_timeout_s
-        job = _Job(step=step, state=snap, metadata=meta, handle=handle, deadline=deadline)
-        dropped: list[_Job] = []
         with self._cond:
-            if self._closing:
-                raise CheckpointError(f"checkpoint writer {self.part_name!r} is closed")
-            if self._last_step is not None and step <= self._last_step:
-                raise ValueError(f"step must increase: got {step} after {self._last_step}")
+            self._check_open(step)
+            if len(self._queue) >= self.max_queued:
+                logger.warning(
+                    "checkpoint part %s: %d saves queued (storage slower than the checkpoint interval); step %d "
+                    "waits for one to finish (callers should defer checkpoints while writer.backlog > 0)",
+                    self.part_name, len(self._queue), step,
+                )
+                while len(self._queue) >= self.max_queued and not self._closing:
+                    self._cond.wait()
+                self._check_open(step)
+        snap = self._pool.take(dict(state))
+        handle = SaveHandle(step, time.perf_counter() - t0, snap.copied_bytes, snap.referenced_bytes)
+        job = _Job(step=step, snapshot=snap, metadata=meta, handle=handle,
+                   deadline=time.monotonic() + self.commit_timeout_s)
+        with self._cond:
+            try:
+                self._check_open(step)
+            except BaseException:
+                snap.release()
+                raise
             self._last_step = step
             self._queue.append(job)
             self._outstanding += 1
-            while len(self._queue) > self.max_queued:
-                dropped.append(self._queue.popleft())
             self._cond.notify_all()
-        for old in dropped:
-            logger.warning(
-                "checkpoint part %s: dropping queued step %d, superseded by step %d (storage too slow)",
-                self.part_name,
-                old.step,
-                step,
-            )
-            self._finish(old.handle, CheckpointError(f"step {old.step} dropped: superseded by step {step}"))
         return handle
+
+    def _check_open(self, step: int) -> None:
+        if self._closing:
+            raise CheckpointError(f"checkpoint writer {self.part_name!r} is closed")
+        if self._last_step is not None and step <= self._last_step:
+            raise ValueError(f"step must increase: got {step} after {self._last_step}")
+
+    @property
+    def backlog(self) -> int:
+        """Saves not finished yet: queued, being written, or (committer) waiting for the other parts."""
+        with self._cond:
+            return self._outstanding
+
+    @property
+    def last_committed(self) -> int | None:
+        """Committer only: the newest step this writer committed (``None`` before the first commit)."""
+        return self._last_committed
+
+    @property
+    def last_durable(self) -> int | None:
+        """The newest step whose part this writer made durable."""
+        return self._last_durable
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued save is persisted (and, on the committer, committed or given up).
@@ -271,10 +378,12 @@ class CheckpointWriter:
             self._cond.notify_all()
         self._thread.join(timeout=None if flushed else 5.0)
         with self._cond:
-            leftovers = list(self._queue) + [p for p in self._pending.values()]
+            leftovers: list[Any] = list(self._queue) + list(self._pending.values())
             self._queue.clear()
             self._pending.clear()
         for item in leftovers:
+            if isinstance(item, _Job):
+                item.snapshot.release()
             self._finish(item.handle, CheckpointError(f"step {item.step} abandoned: writer closed"))
         self._closed = True
         return flushed
@@ -293,6 +402,13 @@ class CheckpointWriter:
 
     # ------------------------------------------------------------------------------ background
 
+    def _since_progress(self) -> str:
+        what = "commit" if self.is_committer else "durable part"
+        last = self._last_committed if self.is_committer else self._last_durable
+        if last is None:
+            return f"no {what} yet, {time.monotonic() - self._started:.0f}s since start"
+        return f"last {what} step {last}, {time.monotonic() - self._progress_at:.0f}s ago"
+
     def _finish(self, handle: SaveHandle, error: BaseException | None = None) -> None:
         if handle.done():
             return
@@ -306,6 +422,8 @@ class CheckpointWriter:
             self._cond.notify_all()
 
     def _run(self) -> None:
+        if self.persist_nice is not None:
+            lower_thread_priority(self.persist_nice)
         while True:
             with self._cond:
                 if not self._queue and not self._closing:
@@ -313,6 +431,8 @@ class CheckpointWriter:
                 if self._closing:
                     return
                 job = self._queue.popleft() if self._queue else None
+                if job is not None:
+                    self._cond.notify_all()  # a save waiting for queue space may go on
             try:
                 if job is not None:
                     self._persist(job)
@@ -331,55 +451,67 @@ class CheckpointWriter:
             return bool(self._queue) or self._closing
 
     def _persist(self, job: _Job) -> None:
-        step, handle, storage = job.step, job.handle, self.storage
-        t0 = time.perf_counter()
+        step, handle = job.step, job.handle
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
-            data = serialize_state(job.state)
+            encoded = encode_part(job.snapshot.materialize())
+            data = Buffers(encoded.chunks())
+            meta = PartMeta(name=self.part_name, step=step, checksum=checksum(data, self.checksum), size=len(data))
         except Exception as exc:
+            job.snapshot.release()
             logger.warning("checkpoint part %s step %d: cannot serialize: %s", self.part_name, step, exc)
             self._finish(handle, CheckpointError(f"step {step}: cannot serialize part: {exc}"))
             return
+        try:
+            self._write_part(job, data, meta, t0, c0)
         finally:
-            job.state = None
-        meta = PartMeta(name=self.part_name, step=step, sha256=sha256_hex(data), size=len(data))
+            job.snapshot.release()
+            del data, encoded
+
+    def _write_part(self, job: _Job, data: Buffers, meta: PartMeta, t0: float, c0: float) -> None:
+        step, handle, storage = job.step, job.handle, self.storage
         delay = self.poll_interval_s
         while True:
             try:
                 if storage.exists(commit_path(step)):
                     logger.info("checkpoint step %d is already committed; not rewriting part %s", step, self.part_name)
-                    handle.persist_s = time.perf_counter() - t0
+                    handle.persist_s, handle.persist_cpu_s = time.perf_counter() - t0, time.thread_time() - c0
                     if self.is_committer:
                         handle.committed = True
                     self._finish(handle)
                     return
                 storage.delete(part_meta_path(step, self.part_name))
                 storage.write_bytes(part_data_path(step, self.part_name), data)
-                storage.write_bytes(part_meta_path(step, self.part_name), meta.to_json())
+                storage.write_bytes_unsynced(part_meta_path(step, self.part_name), meta.to_json())
                 break
             except Exception as exc:
                 now = time.monotonic()
                 reason = exc if isinstance(exc, CheckpointError) else storage.describe_error(exc)
                 if now >= job.deadline:
-                    logger.warning(
-                        "checkpoint part %s step %d: giving up after %.1fs: %s",
-                        self.part_name, step, self.commit_timeout_s, reason,
+                    self._write_trouble.fail(
+                        "step %d: write failed, giving up after %.1fs (%s): %s",
+                        step, self.commit_timeout_s, self._since_progress(), reason,
                     )
                     self._finish(handle, CheckpointError(f"step {step}: part {self.part_name!r} not written: {reason}"))
                     return
-                logger.warning(
-                    "checkpoint part %s step %d: write failed (%s); retrying in %.2fs",
-                    self.part_name, step, reason, delay,
+                self._write_trouble.fail(
+                    "step %d: write failed (%s), retrying until the step's deadline (%s)",
+                    step, reason, self._since_progress(),
                 )
                 if self._wait_or_superseded(delay, job.deadline):
-                    logger.warning(
-                        "checkpoint part %s step %d: giving up, a newer save is queued", self.part_name, step
-                    )
+                    logger.debug("checkpoint part %s step %d: giving up, a newer save is queued", self.part_name, step)
                     self._finish(handle, CheckpointError(f"step {step}: part {self.part_name!r} not written: {reason}"))
                     return
                 delay = min(delay * 2, self.max_poll_interval_s)
+        self._write_trouble.ok("writes succeed again")
         handle.persist_s = time.perf_counter() - t0
+        handle.persist_cpu_s = time.thread_time() - c0
+        handle.bytes = meta.size
+        self._last_durable = step
+        if not self.is_committer:
+            self._progress_at = time.monotonic()
         logger.debug(
-            "checkpoint part %s step %d durable (%d bytes, %.3fs)", self.part_name, step, len(data), handle.persist_s
+            "checkpoint part %s step %d durable (%d bytes, %.3fs)", self.part_name, step, meta.size, handle.persist_s
         )
         if not self.is_committer:
             self._finish(handle)
@@ -391,11 +523,16 @@ class CheckpointWriter:
         with self._cond:
             self._pending[step] = pending
 
+    def _part_complete(self, meta: PartMeta) -> bool:
+        """Whether the part file described by ``meta`` is there with the recorded size."""
+        return self.storage.size(part_data_path(meta.step, meta.name)) == meta.size
+
     def _poll_commits(self) -> None:
         """One polling round over the pending steps, newest first; commit the first complete one."""
         storage = self.storage
         for step in sorted(self._pending, reverse=True):
             p = self._pending[step]
+            missing: list[str] = []
             try:
                 for name in self.expected_parts:
                     if name in p.found:
@@ -408,6 +545,11 @@ class CheckpointWriter:
                         p.found[name] = got
                 missing = [n for n in self.expected_parts if n not in p.found]
                 if not missing:
+                    vanished = [n for n in self.expected_parts if not self._part_complete(p.found[n])]
+                    for n in vanished:  # deleted or truncated between its write and now: never commit it
+                        del p.found[n]
+                    missing = vanished
+                if not missing:
                     record = CommitRecord(
                         step=step,
                         parts={n: p.found[n] for n in self.expected_parts},
@@ -419,12 +561,13 @@ class CheckpointWriter:
                     return
             except Exception as exc:
                 reason = exc if isinstance(exc, CheckpointError) else storage.describe_error(exc)
-                logger.warning("checkpoint step %d: cannot check or commit (%s); will retry", step, reason)
+                self._commit_trouble.fail("step %d: cannot check or commit (%s; %s); will retry",
+                                          step, reason, self._since_progress())
                 missing = [n for n in self.expected_parts if n not in p.found]
             if time.monotonic() >= p.deadline:
-                logger.warning(
-                    "checkpoint step %d: giving up the commit after %.1fs, parts missing: %s",
-                    step, self.commit_timeout_s, ", ".join(missing),
+                self._commit_trouble.fail(
+                    "step %d: not committed, giving up after %.1fs, parts missing or incomplete: %s (%s)",
+                    step, self.commit_timeout_s, ", ".join(missing), self._since_progress(),
                 )
                 with self._cond:
                     self._pending.pop(step, None)
@@ -435,6 +578,9 @@ class CheckpointWriter:
         step = p.step
         p.handle.commit_s = time.perf_counter() - p.durable_at
         p.handle.committed = True
+        self._last_committed = step
+        self._progress_at = time.monotonic()
+        self._commit_trouble.ok(f"step {step} committed")
         logger.info("checkpoint step %d committed (%d parts)", step, len(self.expected_parts))
         with self._cond:
             older = [s for s in self._pending if s <= step]
