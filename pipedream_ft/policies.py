@@ -2,9 +2,22 @@
 
 A policy is asked :meth:`CheckpointPolicy.should_save` once per training step (``step`` = number of updates done,
 ``now`` = a clock reading such as ``time.monotonic()``). A ``True`` answer means "checkpoint at this step", and
-the policy records that a checkpoint was taken then. Measurements (step time, checkpoint cost, failures) are fed
+the policy records that a checkpoint was taken then. Measurements (step time, checkpoint costs, failures) are fed
 with :meth:`CheckpointPolicy.observe`. Decisions depend only on the arguments given to these methods, so the same
 inputs give the same decisions (the pipeline's first stage decides and sends the decision downstream).
+
+**Backpressure.** ``should_save(step, now, busy=True)`` — ``busy`` being ``writer.backlog > 0`` on the committer:
+the previous checkpoint is not committed yet — never says yes: a checkpoint that is due is *deferred* to the
+first step at which storage has caught up, which stretches the interval instead of queueing saves that would
+never commit. The first deferral of a run is logged (WARNING), and so is the stretched interval once the
+checkpoint is taken (INFO); :attr:`CheckpointPolicy.deferred` counts deferrals.
+
+**Measured costs.** The runtime feeds, per checkpoint, ``observe(blocking_s=handle.snapshot_s)`` right after
+``save`` and ``observe(persist_s=, persist_cpu_s=, commit_s=)`` once the handle is done. :class:`OverheadBudget`
+and :class:`YoungDaly` take the cost of a checkpoint to training as ``blocking + background_weight *
+persist_cpu`` (the persist thread's CPU time is taken from training when every core is busy:
+``background_weight=1``, the default, assumes so) and never checkpoint more often than storage makes a
+checkpoint durable (``persist_s + commit_s``).
 
 Built-ins: :class:`EveryNSteps`, :class:`EveryTSeconds`, :class:`YoungDaly`, :class:`OverheadBudget`,
 :class:`Never`, and the compositions :class:`AnyOf` / :class:`AllOf`.
@@ -12,6 +25,7 @@ Built-ins: :class:`EveryNSteps`, :class:`EveryTSeconds`, :class:`YoungDaly`, :cl
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import threading
@@ -34,6 +48,8 @@ __all__ = [
     "young_interval",
 ]
 
+
+log = logging.getLogger(__name__)
 
 _MAX_INTERVAL_STEPS = 2**53
 """Interval used when the budget is unreachable (zero step time): effectively never."""
@@ -85,15 +101,41 @@ class CheckpointPolicy(ABC):
         """Step of the last checkpoint recorded (``None`` before the first)."""
         self.last_save_time: float | None = None
         """Clock reading of the last checkpoint recorded, or of :meth:`reset` / the first query."""
+        self.deferred: int = 0
+        """Checkpoints that were due while ``busy`` (see :meth:`should_save`), deferred."""
+        self._deferring_since: int | None = None
 
-    def should_save(self, step: int, now: float) -> bool:
-        """Whether to checkpoint at ``step`` (clock reading ``now``); a yes is recorded as a checkpoint."""
+    def should_save(self, step: int, now: float, *, busy: bool = False) -> bool:
+        """Whether to checkpoint at ``step`` (clock reading ``now``); a yes is recorded as a checkpoint.
+
+        ``busy``: the previous checkpoint is not finished (not committed) yet; a checkpoint that is due is then
+        deferred (counted in :attr:`deferred`, logged once per run of deferrals) and taken at the first step
+        that is not busy, whatever :meth:`decide` says then.
+        """
         _check_int("step", step, 0)
         now = _check_now(now)
         if self.last_save_time is None:
             self._start_clock(now)
-        decision = bool(self.decide(step, now))
+        # a deferred checkpoint stays due (also for policies such as EveryNSteps whose decide() moved on)
+        decision = bool(self.decide(step, now)) or self._deferring_since is not None
+        if decision and busy:
+            self.deferred += 1
+            if self._deferring_since is None:
+                self._deferring_since = step
+                log.warning(
+                    "checkpoint due at step %d deferred: the previous checkpoint (step %s) is not committed yet "
+                    "(storage slower than the checkpoint interval); the interval is stretched until it is",
+                    step, self.last_save_step,
+                )
+            return False
         if decision:
+            if self._deferring_since is not None:
+                log.info(
+                    "checkpoint at step %d, deferred since step %d: interval stretched to %s steps",
+                    step, self._deferring_since,
+                    "?" if self.last_save_step is None else step - self.last_save_step,
+                )
+                self._deferring_since = None
             self.record_save(step, now)
         return decision
 
@@ -114,11 +156,24 @@ class CheckpointPolicy(ABC):
         checkpoint_cost_s: float | None = None,
         failure: bool = False,
         now: float | None = None,
+        blocking_s: float | None = None,
+        persist_s: float | None = None,
+        persist_cpu_s: float | None = None,
+        commit_s: float | None = None,
     ) -> None:
-        """Feed measurements: the duration of a training step, the cost of a checkpoint (time training was
-        slowed by it), or a failure (at clock reading ``now``). Ignored by policies that do not use them."""
-        _check_float("step_time_s", step_time_s, allow_none=True)
-        _check_float("checkpoint_cost_s", checkpoint_cost_s, allow_none=True)
+        """Feed measurements (each optional; ignored by policies that do not use them):
+
+        * ``step_time_s``: the duration of a training step;
+        * ``blocking_s``: how long a save blocked training (``SaveHandle.snapshot_s``);
+          ``checkpoint_cost_s`` is the older name of the same measurement;
+        * ``persist_s`` / ``persist_cpu_s``: wall and CPU seconds the background persist of a save took;
+        * ``commit_s``: committer: seconds from its part being durable to the commit;
+        * ``failure`` (with ``now``): a failure happened at clock reading ``now``.
+        """
+        for name, value in (("step_time_s", step_time_s), ("checkpoint_cost_s", checkpoint_cost_s),
+                            ("blocking_s", blocking_s), ("persist_s", persist_s),
+                            ("persist_cpu_s", persist_cpu_s), ("commit_s", commit_s)):
+            _check_float(name, value, allow_none=True)
         if now is not None:
             _check_now(now)
 
@@ -126,12 +181,49 @@ class CheckpointPolicy(ABC):
         """Start (or restart, after recovery from checkpoint ``step``) counting from clock reading ``now``."""
         self.last_save_time = _check_now(now)
         self.last_save_step = None if step is None else _check_int("step", step, 0)
+        self._deferring_since = None
 
     def _start_clock(self, now: float) -> None:
         self.last_save_time = now
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class _CostModel:
+    """Measured checkpoint costs: EMAs of the blocking time, the persist CPU time and the time to durability."""
+
+    __slots__ = ("background_weight", "blocking", "persist_cpu", "persist", "commit")
+
+    def __init__(self, alpha: float, background_weight: float) -> None:
+        w = _check_float("background_weight", background_weight)
+        assert w is not None
+        if w > 1:
+            raise ValueError(f"background_weight must be in [0, 1], got {background_weight}")
+        self.background_weight = w
+        self.blocking = _Ema(alpha)
+        self.persist_cpu = _Ema(alpha)
+        self.persist = _Ema(alpha)
+        self.commit = _Ema(alpha)
+
+    def add(self, blocking_s: float | None, persist_s: float | None, persist_cpu_s: float | None,
+            commit_s: float | None) -> None:
+        for ema, x in ((self.blocking, blocking_s), (self.persist, persist_s), (self.persist_cpu, persist_cpu_s),
+                       (self.commit, commit_s)):
+            if x is not None:
+                ema.add(float(x))
+
+    @property
+    def cost(self) -> float | None:
+        """Seconds of training lost per checkpoint: blocking + background_weight * persist CPU (None: unknown)."""
+        if self.blocking.value is None and self.persist_cpu.value is None:
+            return None
+        return (self.blocking.value or 0.0) + self.background_weight * (self.persist_cpu.value or 0.0)
+
+    @property
+    def latency(self) -> float:
+        """Seconds from a save to its checkpoint being durable and committed (0 while unknown)."""
+        return (self.persist.value or 0.0) + (self.commit.value or 0.0)
 
 
 class _Ema:
@@ -216,12 +308,15 @@ class YoungDaly(CheckpointPolicy):
     ``M``: Daly's formula (see :func:`daly_interval`) by default, Young's ``sqrt(2*delta*M)`` with
     ``formula="young"``. A checkpoint is taken once ``now - last checkpoint >= interval``.
 
-    * ``delta``: ``checkpoint_cost_s`` if given, else the EMA of the observed ``checkpoint_cost_s``.
+    * ``delta``: ``checkpoint_cost_s`` if given, else measured: the EMA of the observed blocking time
+      (``blocking_s`` or ``checkpoint_cost_s``) plus ``background_weight`` times the EMA of the observed
+      ``persist_cpu_s``.
     * ``M``: ``mtbf_s`` if given, else observed: the time from the first query (or first :meth:`reset`) to the
       latest observed failure, divided by the number of failures observed; unknown until a failure is observed.
 
-    While ``delta`` or ``M`` is unknown the interval is ``fallback_interval_s``. The interval is clamped to
-    ``[min_interval_s, max_interval_s]``.
+    While ``delta`` or ``M`` is unknown the interval is ``fallback_interval_s``. The interval is at least the
+    measured time for a checkpoint to become durable (``persist_s + commit_s``: storage must keep up) and is
+    clamped to ``[min_interval_s, max_interval_s]``.
     """
 
     def __init__(
@@ -234,6 +329,7 @@ class YoungDaly(CheckpointPolicy):
         min_interval_s: float = 0.0,
         max_interval_s: float = math.inf,
         ema_alpha: float = 0.3,
+        background_weight: float = 1.0,
     ) -> None:
         super().__init__()
         self.mtbf_s = _check_float("mtbf_s", mtbf_s, positive=True, allow_none=True)
@@ -254,15 +350,16 @@ class YoungDaly(CheckpointPolicy):
             )
         self.min_interval_s = float(min_interval_s)
         self.max_interval_s = float(max_interval_s)
-        self._cost = _Ema(ema_alpha)
+        self.costs = _CostModel(ema_alpha, background_weight)
+        """The measured costs (EMAs)."""
         self._failures = 0
         self._origin: float | None = None
         self._last_failure_time: float | None = None
 
     @property
     def delta(self) -> float | None:
-        """Checkpoint cost used (configured, else measured EMA; ``None`` if unknown)."""
-        return self.checkpoint_cost_s if self.checkpoint_cost_s is not None else self._cost.value
+        """Checkpoint cost used (configured, else measured; ``None`` if unknown)."""
+        return self.checkpoint_cost_s if self.checkpoint_cost_s is not None else self.costs.cost
 
     @property
     def mtbf(self) -> float | None:
@@ -284,7 +381,7 @@ class YoungDaly(CheckpointPolicy):
             tau = young_interval(delta, m)
         else:
             tau = daly_interval(delta, m)
-        return min(max(tau, self.min_interval_s), self.max_interval_s)
+        return min(max(tau, self.costs.latency, self.min_interval_s), self.max_interval_s)
 
     def decide(self, step: int, now: float) -> bool:
         assert self.last_save_time is not None
@@ -297,10 +394,15 @@ class YoungDaly(CheckpointPolicy):
         checkpoint_cost_s: float | None = None,
         failure: bool = False,
         now: float | None = None,
+        blocking_s: float | None = None,
+        persist_s: float | None = None,
+        persist_cpu_s: float | None = None,
+        commit_s: float | None = None,
     ) -> None:
-        super().observe(step_time_s=step_time_s, checkpoint_cost_s=checkpoint_cost_s, failure=failure, now=now)
-        if checkpoint_cost_s is not None:
-            self._cost.add(float(checkpoint_cost_s))
+        super().observe(step_time_s=step_time_s, checkpoint_cost_s=checkpoint_cost_s, failure=failure, now=now,
+                        blocking_s=blocking_s, persist_s=persist_s, persist_cpu_s=persist_cpu_s, commit_s=commit_s)
+        self.costs.add(blocking_s if blocking_s is not None else checkpoint_cost_s, persist_s, persist_cpu_s,
+                       commit_s)
         if failure:
             if now is None:
                 raise ValueError("observe(failure=True) needs now=<clock reading of the failure>, got None")
@@ -324,13 +426,16 @@ class YoungDaly(CheckpointPolicy):
 
 
 class OverheadBudget(CheckpointPolicy):
-    """Checkpoint as often as possible while checkpoint cost / compute time between checkpoints <= ``max_fraction``.
+    """Checkpoint as often as possible while checkpoint cost / compute time between checkpoints <= ``max_fraction``
+    (CheckFreq's idea: measure the cost online, keep the overhead under a budget).
 
-    The interval in steps is ``ceil(cost / (max_fraction * step_time))`` with ``cost`` and ``step_time`` the EMAs
-    of the observed ``checkpoint_cost_s`` and ``step_time_s``, clamped to ``[min_interval_steps,
-    max_interval_steps]``; ``initial_interval_steps`` until both have been observed. A checkpoint is taken once
-    ``step - last checkpoint step >= interval`` (the last checkpoint step is 0 before the first one, or the step
-    given to :meth:`reset`).
+    ``cost`` is measured: the EMA of the blocking time (``blocking_s``, or ``checkpoint_cost_s``) plus
+    ``background_weight`` times the EMA of the persist thread's CPU time (``persist_cpu_s``); ``step_time`` is the
+    EMA of ``step_time_s``. The interval in steps is the larger of ``ceil(cost / (max_fraction * step_time))``
+    and ``ceil((persist_s + commit_s) / step_time)`` (storage must make each checkpoint durable before the next),
+    clamped to ``[min_interval_steps, max_interval_steps]``; ``initial_interval_steps`` until a cost and a step
+    time have been observed. A checkpoint is taken once ``step - last checkpoint step >= interval`` (the last
+    checkpoint step is 0 before the first one, or the step given to :meth:`reset`).
     """
 
     def __init__(
@@ -341,6 +446,7 @@ class OverheadBudget(CheckpointPolicy):
         min_interval_steps: int = 1,
         max_interval_steps: int | None = None,
         ema_alpha: float = 0.3,
+        background_weight: float = 1.0,
     ) -> None:
         super().__init__()
         frac = _check_float("max_fraction", max_fraction, positive=True)
@@ -353,24 +459,28 @@ class OverheadBudget(CheckpointPolicy):
         if max_interval_steps is not None:
             _check_int("max_interval_steps", max_interval_steps, min_interval_steps)
         self.max_interval_steps = max_interval_steps
-        self._cost = _Ema(ema_alpha)
+        self.costs = _CostModel(ema_alpha, background_weight)
+        """The measured costs (EMAs)."""
         self._step_time = _Ema(ema_alpha)
 
     @property
     def interval_steps(self) -> int:
         """Current interval between checkpoints, in steps."""
-        cost, step_time = self._cost.value, self._step_time.value
+        cost, step_time = self.costs.cost, self._step_time.value
         if cost is None or step_time is None:
             n = self.initial_interval_steps
         else:
-            budget = self.max_fraction * step_time
-            ratio = cost / budget if budget > 0 else (0.0 if cost == 0 else math.inf)
-            # Small epsilon so that float noise (e.g. 0.1/(0.01*0.1) = 100.00000000000001) does not add a step.
-            n = math.ceil(ratio - 1e-9) if ratio < _MAX_INTERVAL_STEPS else _MAX_INTERVAL_STEPS
+            n = max(self._steps(cost, self.max_fraction * step_time), self._steps(self.costs.latency, step_time))
         n = max(n, self.min_interval_steps)
         if self.max_interval_steps is not None:
             n = min(n, self.max_interval_steps)
         return n
+
+    @staticmethod
+    def _steps(seconds: float, per_step: float) -> int:
+        ratio = seconds / per_step if per_step > 0 else (0.0 if seconds == 0 else math.inf)
+        # Small epsilon so that float noise (e.g. 0.1/(0.01*0.1) = 100.00000000000001) does not add a step.
+        return math.ceil(ratio - 1e-9) if ratio < _MAX_INTERVAL_STEPS else _MAX_INTERVAL_STEPS
 
     def decide(self, step: int, now: float) -> bool:
         last = self.last_save_step if self.last_save_step is not None else 0
@@ -383,12 +493,17 @@ class OverheadBudget(CheckpointPolicy):
         checkpoint_cost_s: float | None = None,
         failure: bool = False,
         now: float | None = None,
+        blocking_s: float | None = None,
+        persist_s: float | None = None,
+        persist_cpu_s: float | None = None,
+        commit_s: float | None = None,
     ) -> None:
-        super().observe(step_time_s=step_time_s, checkpoint_cost_s=checkpoint_cost_s, failure=failure, now=now)
+        super().observe(step_time_s=step_time_s, checkpoint_cost_s=checkpoint_cost_s, failure=failure, now=now,
+                        blocking_s=blocking_s, persist_s=persist_s, persist_cpu_s=persist_cpu_s, commit_s=commit_s)
         if step_time_s is not None:
             self._step_time.add(float(step_time_s))
-        if checkpoint_cost_s is not None:
-            self._cost.add(float(checkpoint_cost_s))
+        self.costs.add(blocking_s if blocking_s is not None else checkpoint_cost_s, persist_s, persist_cpu_s,
+                       commit_s)
 
     def __repr__(self) -> str:
         return f"OverheadBudget(max_fraction={self.max_fraction})"
@@ -422,9 +537,14 @@ class _Composite(CheckpointPolicy):
         checkpoint_cost_s: float | None = None,
         failure: bool = False,
         now: float | None = None,
+        blocking_s: float | None = None,
+        persist_s: float | None = None,
+        persist_cpu_s: float | None = None,
+        commit_s: float | None = None,
     ) -> None:
         for p in self.policies:
-            p.observe(step_time_s=step_time_s, checkpoint_cost_s=checkpoint_cost_s, failure=failure, now=now)
+            p.observe(step_time_s=step_time_s, checkpoint_cost_s=checkpoint_cost_s, failure=failure, now=now,
+                      blocking_s=blocking_s, persist_s=persist_s, persist_cpu_s=persist_cpu_s, commit_s=commit_s)
 
     def reset(self, now: float, step: int | None = None) -> None:
         super().reset(now, step)
