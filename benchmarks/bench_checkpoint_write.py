@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--versions", type=int, default=1, help="stashed versions kept (stage 0 of 2: 1)")
     ap.add_argument("--dir", default=None, help="directory on the disk to test (default: a temporary one)")
     ap.add_argument("--checksum", default="crc32", choices=["crc32", "sha256"])
-    ap.add_argument("--nice", type=int, default=19, help="persist thread nice value (-1: unchanged)")
+    ap.add_argument("--nice", type=int, default=-1, help="persist thread nice value (-1: unchanged)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
 
     base = Path(tempfile.mkdtemp(prefix="pdft-bench-write-", dir=args.dir))
     stage = Stage(args.width, args.blocks, args.versions)
+    for _ in range(args.versions + 1):
+        stage.update()
     gb = stage.nbytes() / 1e9
     nice = None if args.nice < 0 else args.nice
     writers: dict[str, Any] = {}
