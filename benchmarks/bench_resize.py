@@ -81,7 +81,7 @@ def _row(label: str, t0: float, tl: dict) -> str:
 
 def main() -> int:
     from bench_partitioner import resnet_like_profile
-    from pipedream_ft.elastic import replan
+    from pipedream_ft.ft.elastic import replan
 
     prof = resnet_like_profile()
     print(f"re-plan alone ({len(prof)}-layer profile):")

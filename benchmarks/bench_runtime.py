@@ -81,7 +81,7 @@ def _rank_main(case: Case) -> dict[str, Any]:
     from torch import nn
 
     from partitioner.plan import Plan
-    from pipedream_ft.runtime import PipelineConfig, PipelineTrainer
+    from pipedream_ft import PipelineConfig, PipelineTrainer
     from profiler.layers import structure_profile
     from sleep_model import sleep_model
 

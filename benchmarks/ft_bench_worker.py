@@ -89,7 +89,7 @@ def make_optimizer(name: str) -> Callable[[list[nn.Parameter]], torch.optim.Opti
 
 
 def _timed_kill_class() -> type:
-    from pipedream_ft.faults import FaultInjector
+    from pipedream_ft.ft.faults import FaultInjector
 
     class _TimedKill(FaultInjector):
         """The library's injector, writing ``time.time()`` to a file just before a fault fires."""
@@ -108,7 +108,7 @@ def _timed_kill_class() -> type:
 
 def TimedKill(rank: int, step: int, *, me: int, attempt: int, stamp: Path) -> Any:  # noqa: N802
     """A fault injector that SIGKILLs rank ``rank`` at the forward of ``step`` (attempt 0), stamping the time."""
-    from pipedream_ft.faults import Fault
+    from pipedream_ft.ft.faults import Fault
 
     return _timed_kill_class()([Fault("kill", rank, step)], rank=me, attempt=attempt, stamp=stamp)
 
@@ -152,9 +152,9 @@ def main(argv: list[str] | None = None) -> None:
 
     importlib.import_module("torch._dynamo")  # building an optimizer imports it: count it as start-up
     from pipedream_ft import checkpointing
-    from pipedream_ft.checkpointing import CheckpointConfig
+    from pipedream_ft import CheckpointConfig
     from pipedream_ft.policies import EveryNSteps, Never
-    from pipedream_ft.runtime import PipelineConfig, PipelineTrainer
+    from pipedream_ft import PipelineConfig, PipelineTrainer
 
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

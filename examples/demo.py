@@ -85,8 +85,8 @@ def main() -> int:
     resumed = [l for l in log.splitlines() if "resumed from checkpoint" in l]
     print(f"   restarts: {len(attempts) - 1}" + (f" — {resumed[0].split(': ', 1)[1]}" if resumed else ""))
     print(f"   work redone after the failure: {redone} minibatches (checkpoint every {args.ckpt_every})")
-    from pipedream_ft.plot import draw_timeline
-    from pipedream_ft.timeline import merge_traces, trace_files
+    from pipedream_ft.observe.plot import draw_timeline
+    from pipedream_ft.observe.timeline import merge_traces, trace_files
 
     trace = merge_traces(trace_files(out / "trace"))
     (out / "timeline.json").write_text(json.dumps(trace))

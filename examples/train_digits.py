@@ -34,11 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 
 from examples.models import digits_cnn  # noqa: E402
 from partitioner.plan import Plan, load_plan  # noqa: E402
-from pipedream_ft.distributed import shutdown  # noqa: E402
+from pipedream_ft import shutdown  # noqa: E402
 from pipedream_ft.errors import PipelineSetupError, exit_on_error  # noqa: E402
-from pipedream_ft.checkpointing import CheckpointConfig  # noqa: E402
+from pipedream_ft import CheckpointConfig  # noqa: E402
 from pipedream_ft.policies import EveryNSteps  # noqa: E402
-from pipedream_ft.runtime import MODES, PipelineConfig, PipelineTrainer  # noqa: E402
+from pipedream_ft import PipelineConfig, PipelineTrainer
+from pipedream_ft.pipeline.modes import MODES  # noqa: E402
 
 __all__ = ["DigitsData", "round_steps", "make_optimizer", "evaluate", "parse_args", "main"]
 

@@ -12,14 +12,15 @@ Typical use, in a script launched by ``torchrun``::
 
 from partitioner.plan import Plan, PlanError, load_plan
 
-from .checkpointing import CheckpointConfig, Preempted
-from .comm import PeerTimeoutError, ShapeMismatchError
-from .distributed import init_distributed, shutdown
 from .env import DistEnv, read_env
 from .errors import PipelineError, PipelineSetupError, exit_on_error
+from .ft.checkpointer import CheckpointConfig, Preempted
+from .ft.coordination import init_distributed, shutdown
+from .pipeline.comm import PeerTimeoutError, ShapeMismatchError
+from .pipeline.hooks import Hooks
 from .policies import (AllOf, AnyOf, CheckpointPolicy, EveryNSteps, EveryTSeconds, Never, OverheadBudget,
                        PreemptionHandler, YoungDaly)
-from .runtime import PipelineConfig, PipelineTrainer, RankStats, TrainResult
+from .trainer import PipelineConfig, PipelineTrainer, RankStats, TrainResult
 
 __all__ = [
     "AllOf",
@@ -29,6 +30,7 @@ __all__ = [
     "DistEnv",
     "EveryNSteps",
     "EveryTSeconds",
+    "Hooks",
     "Never",
     "OverheadBudget",
     "PeerTimeoutError",

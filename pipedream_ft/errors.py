@@ -30,7 +30,7 @@ def exit_on_error(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     from profiler.profile import ProfileError
 
     from .checkpoint import CheckpointError
-    from .comm import PeerTimeoutError, ShapeMismatchError
+    from .pipeline.comm import PeerTimeoutError, ShapeMismatchError
 
     rank = os.environ.get("RANK", "0")
     try:

@@ -28,9 +28,9 @@ def checkpointed_case(url: str, stages: list[list[int]], replicas: list[int] | N
                       elastic: bool = False) -> dict[str, Any]:
     """Train to ``total`` minibatches (or only to ``stop_at``, as if the job died there), checkpointing
     every ``every`` minibatches, resuming from ``url`` if it holds a checkpoint."""
-    from pipedream_ft.checkpointing import CheckpointConfig
+    from pipedream_ft import CheckpointConfig
     from pipedream_ft.policies import EveryNSteps
-    from pipedream_ft.runtime import PipelineConfig, PipelineTrainer
+    from pipedream_ft import PipelineConfig, PipelineTrainer
 
     model = MODELS["mlp"]()
     settings = {"workers": [len(stages)], "bandwidth": [1e9], "straight": True} if elastic else None
@@ -54,8 +54,8 @@ def checkpointed_case(url: str, stages: list[list[int]], replicas: list[int] | N
 
 def elastic_bad_case(url: str, kind: str) -> None:
     """A resized start that cannot go on: no profile anywhere, or no plan fits the memory limit."""
-    from pipedream_ft.checkpointing import CheckpointConfig
-    from pipedream_ft.runtime import PipelineConfig, PipelineTrainer
+    from pipedream_ft import CheckpointConfig
+    from pipedream_ft import PipelineConfig, PipelineTrainer
 
     model = MODELS["mlp"]()
     settings = {"workers": [4], "bandwidth": [1e9], "straight": True}
@@ -69,11 +69,11 @@ def elastic_bad_case(url: str, kind: str) -> None:
 
 def start_case(url: str, model_name: str, storage_options: dict | None = None) -> None:
     """Start a 2-stage trainer with checkpointing at ``url`` (for bad-input tests: it should refuse)."""
-    from pipedream_ft.checkpointing import CheckpointConfig
-    from pipedream_ft.runtime import PipelineConfig, PipelineTrainer
+    from pipedream_ft import CheckpointConfig
+    from pipedream_ft import PipelineConfig, PipelineTrainer
 
     from pipedream_ft.policies import EveryNSteps
-    from pipedream_ft.stage import model_layers
+    from pipedream_ft.pipeline.stage import model_layers
 
     model = MODELS[model_name]()
 

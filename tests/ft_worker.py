@@ -33,10 +33,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    from pipedream_ft.checkpointing import CheckpointConfig
-    from pipedream_ft.distributed import shutdown
+    from pipedream_ft import CheckpointConfig
+    from pipedream_ft import shutdown
     from pipedream_ft.policies import EveryNSteps
-    from pipedream_ft.runtime import PipelineConfig, PipelineTrainer
+    from pipedream_ft import PipelineConfig, PipelineTrainer
 
     def slow_data(b: int):
         if args.sleep_ms:

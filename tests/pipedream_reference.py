@@ -17,8 +17,8 @@ from torch import nn
 from torch.func import functional_call
 
 from partitioner.plan import Plan
-from pipedream_ft.runtime import _mix
-from pipedream_ft.stage import build_stage, model_layers
+from pipedream_ft.pipeline.executor import mix_seed as _mix
+from pipedream_ft.pipeline.stage import build_stage, model_layers
 
 
 def weight_stashing_reference(

@@ -76,7 +76,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {"mlp": mlp, "skip": SkipNet}
 def train_case(model_name: str, stage_layers: list[list[int]], replicas: list[int] | None, opt: str,
                steps: int, mode: str = "stash", flush_every: int = 4) -> dict[str, Any]:
     """Per-rank body: train and return the gathered weights, losses and stats."""
-    from pipedream_ft.runtime import PipelineConfig, PipelineTrainer
+    from pipedream_ft import PipelineConfig, PipelineTrainer
 
     model = MODELS[model_name]()
     plan = plan_for(model, stage_layers, replicas)
@@ -107,7 +107,7 @@ def repeating_data(b: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def replicated_case(steps: int) -> list[float]:
-    from pipedream_ft.runtime import PipelineConfig, PipelineTrainer
+    from pipedream_ft import PipelineConfig, PipelineTrainer
 
     model = mlp()
     plan = plan_for(model, [[0, 1, 2, 3], [4, 5, 6], [7, 8]], [2, 1, 1])
@@ -117,7 +117,7 @@ def replicated_case(steps: int) -> list[float]:
 
 
 def bad_input_case(kind: str) -> None:
-    from pipedream_ft.runtime import PipelineConfig, PipelineTrainer
+    from pipedream_ft import PipelineConfig, PipelineTrainer
 
     model: nn.Module = mlp()
     plan = plan_for(model, [[0, 1, 2, 3], [4, 5, 6], [7, 8]])
@@ -137,7 +137,7 @@ def stuck_peer_case(stuck_rank: int) -> None:
     import os
     import time
 
-    from pipedream_ft.runtime import PipelineConfig, PipelineTrainer
+    from pipedream_ft import PipelineConfig, PipelineTrainer
 
     model = mlp()
     plan = plan_for(model, [[0, 1, 2, 3], [4, 5, 6], [7, 8]])

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from pipedream_ft.schedule import (Action, ScheduleError, flushing, in_flight, one_f_one_b, render,
+from pipedream_ft.pipeline.schedule import (Action, ScheduleError, flushing, in_flight, one_f_one_b, render,
                                    replica_minibatches, simulate)
 
 pytestmark = pytest.mark.timeout(60)

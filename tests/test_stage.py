@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from partitioner.plan import PlanError
-from pipedream_ft.stage import boundaries, build_stage, model_layers
+from pipedream_ft.pipeline.stage import boundaries, build_stage, model_layers
 from runtime_cases import SkipNet, mlp, plan_for
 from examples.models import digits_resnet
 

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-import pipedream_ft.timeline as timeline
-from pipedream_ft.plot import BACKWARD_COLOR, FORWARD_COLOR, clip_trace, draw_timeline, summarize
-from pipedream_ft.schedule import one_f_one_b, simulate
-from pipedream_ft.timeline import TimelineRecorder, merge_traces, trace_files
-from pipedream_ft.timeline_cli import main
+import pipedream_ft.observe.timeline as timeline
+from pipedream_ft.observe.plot import BACKWARD_COLOR, FORWARD_COLOR, clip_trace, draw_timeline, summarize
+from pipedream_ft.pipeline.schedule import one_f_one_b, simulate
+from pipedream_ft.observe.timeline import TimelineRecorder, merge_traces, trace_files
+from pipedream_ft.observe.timeline_cli import main
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,7 +24,7 @@ CATS = {"F": "forward", "B": "backward", "U": "update"}
 
 
 class FakeClock:
-    """Stands in for the ``time`` module inside :mod:`pipedream_ft.timeline`: ``time()`` is set by the test."""
+    """Stands in for the ``time`` module inside :mod:`pipedream_ft.observe.timeline`: ``time()`` is set by the test."""
 
     def __init__(self, now: float) -> None:
         self.now = now

@@ -15,9 +15,12 @@ import os
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
-__all__ = ["Watchdog", "WATCHDOG_EXIT_CODE"]
+from ..pipeline.hooks import Hooks
+from ..pipeline.schedule import Action
+
+__all__ = ["Watchdog", "WatchdogHook", "WATCHDOG_EXIT_CODE"]
 
 WATCHDOG_EXIT_CODE = 70
 
@@ -74,3 +77,27 @@ class Watchdog:
         print(f"pipedream-ft: rank {self.rank}: watchdog: {message}; exiting so the group restarts",
               file=sys.stderr, flush=True)
         os._exit(WATCHDOG_EXIT_CODE)
+
+
+class WatchdogHook(Hooks):
+    """Arms the watchdog while a run of minibatches trains and beats it before every action."""
+
+    def __init__(self, watchdog: Watchdog, stage: int) -> None:
+        self.watchdog = watchdog
+        self.stage = stage
+
+    def on_train_start(self, start: int, stop: int) -> None:
+        self.watchdog.arm()
+
+    def on_action(self, action: Action) -> None:
+        self.watchdog.beat(f"running {action} on stage {self.stage}")
+
+    def on_event(self, name: str, **args: Any) -> None:
+        if name == "draining":
+            self.watchdog.beat("waiting for the last sends")
+
+    def on_train_end(self, start: int, stop: int) -> None:
+        self.watchdog.disarm()
+
+    def close(self) -> None:
+        self.watchdog.close()

@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from ..pipeline.hooks import Hooks
+from ..pipeline.schedule import Action
 
 __all__ = ["KINDS", "Fault", "InjectedFault", "FaultInjector", "parse_faults"]
 
@@ -73,8 +77,8 @@ def parse_faults(text: str) -> list[Fault]:
     return faults
 
 
-class FaultInjector:
-    """Fires the faults meant for this rank and attempt."""
+class FaultInjector(Hooks):
+    """Fires the faults meant for this rank and attempt (a hook: the training loop knows nothing of it)."""
 
     def __init__(self, faults: list[Fault], *, rank: int, attempt: int) -> None:
         self.faults = [f for f in faults if f.rank == rank and f.attempt == attempt]
@@ -95,6 +99,10 @@ class FaultInjector:
                 return f
         return None
 
+    def on_action(self, action: Action) -> None:
+        if action.kind == "F" and self.faults:
+            self.at_forward(action.index)
+
     def at_forward(self, step: int) -> None:
         """Called as the rank starts the forward of minibatch ``step``."""
         f = self._take(("kill", "exception", "hang", "term"), step)
@@ -109,6 +117,38 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGSTOP)
         else:
             os.kill(os.getpid(), signal.SIGTERM)
+
+    def instrument(self, checkpointer: Any) -> None:
+        """Arm the checkpoint faults on ``checkpointer``: ``ckpt_crash`` through its storage's writes, ``corrupt``
+        before its saves."""
+        storage = checkpointer.storage
+        storage.write_bytes = self.wrap_part_write(storage.write_bytes)
+        if any(f.kind == "corrupt" for f in self.faults):
+            checkpointer.before_save = lambda cut: self._corrupt_before(checkpointer, cut)
+
+    def _corrupt_before(self, ckpt: Any, cut: int) -> None:
+        """``corrupt``: at a save after checkpoint ``step``, damage this rank's part of the newest committed
+        checkpoint (the one it saved last, once committed) and die, before this save can commit — so the damaged
+        checkpoint is the one a restart finds first."""
+        from ..checkpoint import list_committed
+        from ..checkpoint.format import part_data_path
+
+        if not any(f.kind == "corrupt" and f.step < cut for f in self.faults):
+            return
+        newest = ckpt.last_saved
+        deadline = time.monotonic() + 5.0
+        while newest not in list_committed(ckpt.storage):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+
+        def damage() -> None:
+            rel = part_data_path(newest, ckpt.part)
+            data = bytearray(ckpt.storage.read_bytes(rel))
+            data[len(data) // 2] ^= 0xFF
+            ckpt.storage.write_bytes(rel, bytes(data))
+
+        self.after_commit(newest, damage)
 
     def wrap_part_write(self, write: Callable[[str, bytes], Any]) -> Callable[[str, bytes], Any]:
         """Wrap ``Storage.write_bytes`` so a ``ckpt_crash`` fault kills the rank mid-write of its part."""

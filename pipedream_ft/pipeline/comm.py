@@ -20,7 +20,8 @@ from datetime import timedelta
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
+
+from .group import CommGroup
 
 __all__ = ["TensorSpec", "Header", "PeerTimeoutError", "ShapeMismatchError", "Messenger", "RecvHandle"]
 
@@ -157,19 +158,19 @@ class RecvHandle:
         for i, spec in enumerate(specs):
             t = torch.empty(spec.shape, dtype=spec.dtype, device=self._m.device)
             self.tensors.append(t)
-            group = self._m._groups.get((self.peer, "act" if self.what == "activation" else "grad"))
-            self.works.append(dist.irecv(t, src=self.peer, tag=_tag(self.minibatch, i + 1), group=group))
+            channel = "act" if self.what == "activation" else "grad"
+            self.works.append(self._m.group.irecv(t, self.peer, _tag(self.minibatch, i + 1), channel))
 
 
 class Messenger:
     """Sends and receives stage-boundary tensors for one rank."""
 
-    def __init__(self, device: torch.device, timeout_s: float, groups: dict[tuple[int, str], Any] | None = None) -> None:
-        """``groups[(peer, "act" | "grad")]``: the process group carrying that link's traffic (default: the world)."""
+    def __init__(self, group: CommGroup, timeout_s: float) -> None:
+        """``group`` carries the traffic (its links, under NCCL, one communicator per link and direction)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.device = device
-        self._groups = groups or {}
+        self.group = group
+        self.device = group.device
         self.timeout = timedelta(seconds=timeout_s)
         self._learned: dict[int, list[TensorSpec]] = {}
         self._sent_specs: dict[int, list[TensorSpec]] = {}
@@ -199,7 +200,7 @@ class Messenger:
                         "grad")
 
     def _isend(self, t: torch.Tensor, peer: int, tag: int, what: str, kind: str) -> None:
-        work = dist.isend(t, dst=peer, tag=tag, group=self._groups.get((peer, kind)))
+        work = self.group.isend(t, peer, tag, kind)
         self._pending.append((work, t, what, peer))
         while len(self._pending) > 64:
             # gloo reports a send complete only once it is waited on: wait for the oldest (long done)
@@ -229,7 +230,7 @@ class Messenger:
 
     def _post_header(self, h: RecvHandle) -> None:
         h.header_buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        h.header_work = dist.irecv(h.header_buf, src=h.peer, tag=_tag(h.minibatch, 0), group=self._groups.get((h.peer, "act")))
+        h.header_work = self.group.irecv(h.header_buf, h.peer, _tag(h.minibatch, 0), "act")
         known = self._learned.get(h.peer)
         if known is not None:
             h._post_tensors(known)

@@ -1,4 +1,4 @@
-"""Draw a merged timeline (see :mod:`pipedream_ft.timeline`) as a PNG, like the PipeDream paper's pipeline figures.
+"""Draw a merged timeline (see :mod:`pipedream_ft.observe.timeline`) as a PNG, like the PipeDream paper's pipeline figures.
 
 One row per rank, time running to the right in seconds from the first event: forward passes in blue, backward
 passes in green (each labelled with its minibatch number where the box is wide enough), weight updates as

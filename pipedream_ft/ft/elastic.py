@@ -22,10 +22,10 @@ from typing import Any, Sequence
 from partitioner.plan import Plan, PlanError
 from profiler.profile import Profile, ProfileError
 
-from .checkpoint import CheckpointError, Storage
-from .errors import PipelineSetupError
+from ..checkpoint import CheckpointError, Storage
+from ..errors import PipelineSetupError
 
-__all__ = ["PROFILE_FILE", "replan", "store_profile", "load_stored_profile", "merge_parts", "describe_plan"]
+__all__ = ["PROFILE_FILE", "replan", "store_profile", "load_stored_profile", "describe_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -81,36 +81,3 @@ def load_stored_profile(storage: Storage) -> Profile:
     except (ValueError, ProfileError) as exc:
         raise PipelineSetupError(f"the stored profile is unusable: {exc}") from None
 
-
-def merge_parts(parts: Sequence[dict[str, Any]], param_names: Sequence[str], state_keys: Sequence[str]
-                ) -> dict[str, Any]:
-    """Gather one new stage's weights and optimizer state from the old stages' checkpoint parts.
-
-    ``param_names``: the new stage's parameters in optimizer order; ``state_keys``: its ``state_dict`` keys.
-    Raises :class:`PipelineSetupError` naming what is missing.
-    """
-    model: dict[str, Any] = {}
-    opt_state: dict[str, Any] = {}
-    groups: list[dict[str, Any]] | None = None
-    for part in parts:
-        model.update(part["model"])
-        names = part.get("param_names")
-        if names is None:
-            raise PipelineSetupError("the checkpoint predates layer-addressable parts (no param_names); "
-                                     "it can only be resumed with its own plan")
-        optim = part["optimizer"]
-        if len(optim["param_groups"]) != 1:
-            raise PipelineSetupError(
-                f"re-planning needs a single optimizer parameter group, the checkpoint has {len(optim['param_groups'])}"
-            )
-        for index, entry in optim["state"].items():
-            opt_state[names[int(index)]] = entry
-        if groups is None:
-            groups = [{k: v for k, v in optim["param_groups"][0].items() if k != "params"}]
-    missing = [k for k in state_keys if k not in model]
-    if missing:
-        raise PipelineSetupError(f"the checkpoint lacks {len(missing)} tensors of this stage, e.g. {missing[:3]}")
-    assert groups is not None
-    groups[0]["params"] = list(range(len(param_names)))
-    state = {i: opt_state[n] for i, n in enumerate(param_names) if n in opt_state}
-    return {"model": {k: model[k] for k in state_keys}, "optimizer": {"state": state, "param_groups": groups}}

@@ -1,0 +1,361 @@
+"""Forward, backward and update of one stage replica — the PipeDream core, knowing nothing of checkpoints.
+
+The executor runs the actions a :class:`~pipedream_ft.pipeline.modes.Mode` schedules, on a
+:class:`~pipedream_ft.pipeline.state.StageState`, talking to its neighbours through a
+:class:`~pipedream_ft.pipeline.comm.Messenger`:
+
+* ``F b``: read the inputs (stage 0: ``data(b)``; else: the activations of ``b`` from the previous stage), run
+  the stage with the weight version the mode picks, with the RNG seeded from (seed, stage, ``b``); send the
+  outputs on (the last stage computes the loss).
+* ``B b``: differentiate with respect to that same version and the inputs; accumulate the parameter gradients;
+  send the input gradients back.
+* ``U j``: all-reduce gradients among the stage's replicas, step the optimizer, publish a new weight version.
+
+**Cuts.** A minibatch can carry *cut flags* in its activation header: stage 0 asks ``decide(b)`` at its forward
+of ``b``, and a non-zero answer marks a cut at ``b + 1`` that travels with the activations to every later
+stage (and, through the gradient all-reduce, to the replicas that did not run ``b``). After its update for the
+last minibatch before the cut each rank calls ``on_cut(cut, flags)``: that is where a checkpoint is taken, with
+nobody stopping to agree.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.func import functional_call
+
+from ..errors import PipelineSetupError
+from .comm import Header, Messenger, RecvHandle, ShapeMismatchError, TensorSpec
+from .hooks import Hooks
+from .modes import Mode
+from .state import StageState
+from .topology import Topology
+from .versions import Version
+
+__all__ = ["CUT", "STOP", "DataFn", "Executor", "RankStats", "mix_seed"]
+
+FAILED = 1
+"""Header flag: the upstream stage failed its pre-flight check."""
+CUT = 2
+"""Header flag: a checkpoint cut follows this minibatch."""
+STOP = 4
+"""Header flag: and the job stops after it (a preemption)."""
+
+DataFn = Callable[[int], tuple[Any, Any]]
+"""``data(b) -> (inputs, targets)`` of minibatch ``b``; every rank must see the same stream."""
+
+
+@dataclass(slots=True)
+class RankStats:
+    """Where one rank's time went, and what it held."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    update_s: float = 0.0
+    wait_s: float = 0.0
+    """Time blocked waiting for activations or gradients."""
+    minibatches: int = 0
+    peak_stash_versions: int = 0
+    """Most weight versions alive at once (the current one included)."""
+    peak_stash_bytes: int = 0
+    """Bytes of those versions."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in RankStats.__slots__}  # type: ignore[attr-defined]
+
+
+@dataclass(slots=True)
+class _InFlight:
+    version: Version
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    loss: torch.Tensor | None
+    grad_recv: RecvHandle | None
+    header: Header
+
+
+def mix_seed(seed: int, stage: int, minibatch: int) -> int:
+    """The RNG seed of ``minibatch``'s forward on ``stage``: reproducible across restarts."""
+    x = (seed * 1_000_003 + stage) * 1_000_000_007 + minibatch
+    return x % (2**63 - 1)
+
+
+def _ranges(idx: Sequence[int]) -> str:
+    out: list[str] = []
+    for i in sorted(idx):
+        if out and out[-1].endswith(f"-{i - 1}"):
+            out[-1] = out[-1].rsplit("-", 1)[0] + f"-{i}"
+        elif out and out[-1] == str(i - 1):
+            out[-1] = f"{i - 1}-{i}"
+        else:
+            out.append(str(i))
+    return ",".join(out)
+
+
+class Executor:
+    """Runs one stage replica's actions (see the module docstring)."""
+
+    def __init__(self, topo: Topology, state: StageState, mode: Mode, messenger: Messenger, *,
+                 loss_fn: Callable[[Any, Any], torch.Tensor], seed: int, hooks: Hooks) -> None:
+        self.topo = topo
+        self.state = state
+        self.mode = mode
+        self.messenger = messenger
+        self.group = messenger.group
+        self.device = messenger.device
+        self.loss_fn = loss_fn
+        self.seed = seed
+        self.hooks = hooks
+        self.stats = RankStats()
+        self.losses: list[tuple[int, float]] = []
+        """``(minibatch, loss)`` of every minibatch this rank (the last stage) computed in the current run."""
+        self.decide: Callable[[int], int] | None = None
+        """Stage 0: the cut flags for minibatch ``b`` (0: no cut after it)."""
+        self.on_cut: Callable[[int, int], None] | None = None
+        """Called after the update that completes the minibatches before a cut, with ``(cut, flags)``."""
+        self.cuts: dict[int, int] = {}
+        """Cuts announced to this rank and not yet reached: cut -> flags."""
+        self.preflight_done = False
+        self._inflight: dict[int, _InFlight] = {}
+        self._act_recv: dict[int, RecvHandle] = {}
+        self._generator = torch.cuda.default_generators[self.device.index or 0] if self.device.type == "cuda" \
+            else torch.default_generator
+
+    # -- inputs ---------------------------------------------------------------------------------------------
+
+    def _to_device(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(self.device, non_blocking=True)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._to_device(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._to_device(v) for k, v in value.items()}
+        return value
+
+    def _model_inputs(self, inputs: Any) -> list[Any]:
+        names = self.state.module.input_names
+        vals = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+        if len(vals) != len(names):
+            raise PipelineSetupError(f"the model takes {len(names)} inputs {names}, but the data gives {len(vals)}")
+        return self._to_device(vals)
+
+    # -- pre-flight -----------------------------------------------------------------------------------------
+
+    def preflight(self, data: DataFn) -> None:
+        """Push one minibatch forward through every stage (no gradients, eval mode) before training.
+
+        Every link learns its tensor shapes, and a stage that cannot take what the previous one sends — or a
+        mismatch between the data and the model — stops every rank with one message naming it. A collective.
+        """
+        topo, module = self.topo, self.state.module
+        error: str | None = None
+        failed_upstream = False
+        was_training = module.training
+        outs: list[torch.Tensor] = []
+        inputs: list[Any] | None = None
+        try:
+            module.eval()
+            if topo.is_first:
+                inputs = self._model_inputs(data(self.state.position)[0])
+            else:
+                received = []
+                for peer in topo.peers(topo.stage - 1):
+                    header, tensors = self.messenger.post_activations(peer, -1).wait()
+                    assert header is not None
+                    if header.flags & FAILED:
+                        failed_upstream = True
+                    received.append(tensors)
+                inputs = received[0] if received else []
+            if not failed_upstream:
+                with torch.no_grad():
+                    out = module(*inputs)
+                if topo.is_last:
+                    loss = self.loss_fn(out, self._to_device(data(self.state.position)[1]))
+                    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+                        raise PipelineSetupError(f"loss_fn must return a scalar tensor, got {loss!r:.80}")
+                else:
+                    outs = list(out)
+                    bad = [n for n, t in zip(module.output_names, outs) if not isinstance(t, torch.Tensor)]
+                    if bad:
+                        raise PipelineSetupError(f"only tensors can cross stages; {bad} are not tensors")
+        except Exception as exc:  # any failure here is reported collectively below
+            what = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            shapes = ", ".join(str(TensorSpec.of(t)) for t in inputs if isinstance(t, torch.Tensor)) \
+                if inputs is not None else "?"
+            error = (f"stage {topo.stage} (rank {topo.rank}, layers {_ranges(topo.layers)}) "
+                     f"cannot run on its input [{shapes}]: {what}")
+        finally:
+            module.train(was_training)
+        if not topo.is_last:
+            flags = FAILED if (error or failed_upstream) else 0
+            for peer in topo.peers(topo.stage + 1):
+                self.messenger.send_activations(peer, Header(-1, 0, flags), [] if flags else outs)
+            self.messenger.flush()
+        problems = [e for e in self.group.all_gather_object(error) if e]
+        if problems:
+            raise PipelineSetupError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+        self.preflight_done = True
+
+    # -- actions ------------------------------------------------------------------------------------------
+
+    def post_activation_recv(self, b: int) -> None:
+        """Post the receive of minibatch ``b``'s activations (ahead of its forward)."""
+        if not self.topo.is_first and b not in self._act_recv:
+            self._act_recv[b] = self.messenger.post_activations(self.topo.peer(self.topo.stage - 1, b), b)
+
+    def _waited(self, handle: RecvHandle, what: str) -> None:
+        self.stats.wait_s += handle.wait_s
+        if handle.wait_s > 0:
+            end = time.time()
+            self.hooks.on_wait(what, handle.minibatch, handle.peer, end - handle.wait_s, end)
+
+    def forward(self, b: int, data: DataFn) -> None:
+        topo, state = self.topo, self.state
+        if topo.is_first:
+            inputs = self._model_inputs(data(b)[0])
+            flags = self.decide(b) if self.decide is not None else 0
+            if flags & CUT:
+                self.cuts[b + 1] = flags
+            tag = self.mode.version_for(topo, state.versions, b, 0).updates
+            header = Header(b, tag, flags)
+        else:
+            self.post_activation_recv(b)
+            handle = self._act_recv.pop(b)
+            header, inputs = handle.wait()  # type: ignore[assignment]
+            self._waited(handle, "activation")
+            assert header is not None
+            inputs = [t.requires_grad_() if t.is_floating_point() else t for t in inputs]
+            if header.flags & CUT:
+                self.cuts[b + 1] = header.flags
+        t0 = time.perf_counter()
+        w0 = time.time()
+        version = self.mode.version_for(topo, state.versions, b, header.tag)
+        params = dict(zip(state.param_names, version.tensors))
+        gen = self._generator
+        saved = gen.get_state()
+        gen.manual_seed(mix_seed(self.seed, topo.stage, b))  # this forward's RNG, reproducible
+        try:
+            out = functional_call(state.module, params, tuple(inputs))
+        finally:
+            gen.set_state(saved)  # the caller's RNG stream is left as it was
+        loss = None
+        outputs: list[torch.Tensor] = []
+        grad_recv = None
+        if topo.is_last:
+            loss = self.loss_fn(out, self._to_device(data(b)[1]))
+            self.losses.append((b, float(loss.detach())))
+            scale = self.mode.loss_scale()
+            if scale != 1.0:
+                loss = loss * scale
+        else:
+            outputs = list(out)
+            for name, t in zip(state.module.output_names, outputs):
+                if not isinstance(t, torch.Tensor):
+                    raise ShapeMismatchError(f"only tensors can cross stages; {name} is {type(t).__name__}")
+            peer = topo.peer(topo.stage + 1, b)
+            self.messenger.send_activations(peer, header, outputs)
+            specs = [TensorSpec.of(t) for t in outputs if t.is_floating_point()]
+            grad_recv = self.messenger.post_gradients(peer, b, specs)
+        self._inflight[b] = _InFlight(version, list(inputs), outputs, loss, grad_recv, header)
+        self.stats.forward_s += time.perf_counter() - t0
+        self.hooks.on_forward(b, w0, time.time())
+        self._note_stash()
+
+    def backward(self, b: int) -> None:
+        topo, state = self.topo, self.state
+        rec = self._inflight.pop(b)
+        if topo.is_last:
+            assert rec.loss is not None
+            roots, grads = [rec.loss], [None]
+        else:
+            assert rec.grad_recv is not None
+            _, received = rec.grad_recv.wait()
+            self._waited(rec.grad_recv, "gradient")
+            floats = [t for t in rec.outputs if t.is_floating_point()]
+            pairs = [(o, g) for o, g in zip(floats, received) if o.requires_grad]
+            roots, grads = [p[0] for p in pairs], [p[1] for p in pairs]
+        t0 = time.perf_counter()
+        w0 = time.time()
+        wrt_params = [t for t in rec.version.tensors if t.requires_grad]
+        wrt_inputs = [t for t in rec.inputs if t.is_floating_point() and t.requires_grad] if not topo.is_first else []
+        wrt = wrt_params + wrt_inputs
+        if roots and wrt:
+            got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
+        else:
+            got = (None,) * len(wrt)
+        for p, g in zip(state.live_params, got[: len(wrt_params)]):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g.detach() if self.mode.asynchronous else g.detach().clone()
+            else:
+                p.grad.add_(g)
+        if not topo.is_first:
+            in_grads = [g if g is not None else torch.zeros_like(t) for t, g in zip(wrt_inputs, got[len(wrt_params):])]
+            self.messenger.send_gradients(topo.peer(topo.stage - 1, b), b, in_grads)
+        self.stats.backward_s += time.perf_counter() - t0
+        self.stats.minibatches += 1
+        self.hooks.on_backward(b, w0, time.time())
+
+    def update(self, round_: int) -> None:
+        topo, state = self.topo, self.state
+        t0 = time.perf_counter()
+        w0 = time.time()
+        live = state.live_params
+        round_end = (round_ + 1) * self.mode.update_unit(topo)
+        flags = self.cuts.get(round_end, 0)
+        if self.group.replica is not None:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in live]
+            flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([float(flags)], device=self.device)])
+            work = self.group.replica_allreduce(flat)
+            self.messenger.wait(work, f"gradient all-reduce of update {round_} among replicas {list(topo.stage_ranks)}")
+            marks = int(float(flat[-1]))
+            flat = flat[:-1]
+            if self.mode.asynchronous:
+                flat /= topo.replicas[topo.stage]
+            offset = 0
+            for p in live:
+                n = p.numel()
+                p.grad = flat[offset: offset + n].view_as(p).clone()
+                offset += n
+            if marks and not flags:
+                # the replica that ran the marked minibatch tells the others through the all-reduce
+                flags = self.cuts[round_end] = marks
+        if state.optimizer is not None:
+            state.optimizer.step()
+            state.optimizer.zero_grad(set_to_none=True)
+        state.versions.publish()
+        self.stats.update_s += time.perf_counter() - t0
+        self.hooks.on_update(round_, round_end, w0, time.time())
+        if flags and self.on_cut is not None:
+            del self.cuts[round_end]
+            self.on_cut(round_end, flags)
+
+    def _note_stash(self) -> None:
+        versions = self.state.versions
+        alive = {id(r.version): r.version for r in self._inflight.values()}
+        alive.update({id(v): v for v in versions.history.values()})
+        alive[id(versions.current)] = versions.current
+        n = len(alive)
+        if n > self.stats.peak_stash_versions:
+            self.stats.peak_stash_versions = n
+            self.stats.peak_stash_bytes = sum(v.nbytes for v in alive.values())
+
+    # -- results ----------------------------------------------------------------------------------------------
+
+    def gather_losses(self) -> list[float]:
+        """Every minibatch's loss of the current run, in minibatch order, on every rank. A collective."""
+        gathered = self.group.all_gather_object(self.losses if self.topo.is_last else [])
+        merged = sorted(x for part in gathered if part for x in part)
+        return [loss for _, loss in merged]
+
+    def reset(self) -> None:
+        """Forget in-flight minibatches and pending receives (after a failure or before a new run)."""
+        self._inflight.clear()
+        self._act_recv.clear()
+        self.cuts.clear()
+        self.losses = []
+

@@ -1,0 +1,145 @@
+"""The process groups of one epoch of a job, built from a store namespace and thrown away whole.
+
+The runtime does not use torch.distributed's global default group. Every *epoch* of a job — its start, and
+each in-place recovery after a failure — builds its own groups from its own namespace of the job's store, so
+that a recovery can abort them and build fresh ones without touching process-wide state:
+
+* ``world``: every rank. Point-to-point transfers (gloo matches them by tag) and, under gloo, the small
+  collectives of setup (agreeing on a checkpoint, gathering losses and weights).
+* ``control`` (NCCL only): a gloo group over every rank for those small collectives, on the CPU.
+* one group per replicated stage, made by its members only, for the gradient all-reduce.
+* under NCCL, one two-rank group per link and direction (see :meth:`CommGroup.__init__`).
+
+:meth:`CommGroup.abort` cancels everything pending (a failure); :meth:`CommGroup.close` shuts the groups
+down cleanly (the end of training), so that no backend thread outlives the trainer.
+"""
+
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CommGroup"]
+
+
+def _new_backend(backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta,
+                 device: torch.device) -> Any:
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+
+
+class CommGroup:
+    """All the process groups this rank uses in one epoch.
+
+    ``links`` lists the ``(peer, channel)`` pairs (channel ``"act"`` or ``"grad"``) that get a communicator of
+    their own under NCCL: NCCL matches point-to-point operations between two ranks by order alone, so giving
+    activations and gradients their own communicator per link leaves each with one stream of messages in
+    minibatch order, and receives can be posted ahead without the two directions blocking each other. Gloo
+    matches by tag and needs none. ``replica_ranks`` are the global ranks of this rank's stage if it is
+    replicated (``None`` otherwise).
+    """
+
+    def __init__(self, store: dist.Store, *, rank: int, world_size: int, backend: str, device: torch.device,
+                 timeout_s: float, links: Iterable[tuple[int, str]] = (), replica_ranks: Sequence[int] | None = None
+                 ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.device = device
+        self.timeout = timedelta(seconds=timeout_s)
+        self._groups: list[Any] = []
+        self.world = self._make(backend, dist.PrefixStore("world/", store), rank, world_size)
+        self.control = self.world if backend == "gloo" else \
+            self._make("gloo", dist.PrefixStore("control/", store), rank, world_size)
+        self.replica: Any = None
+        self.replica_ranks = tuple(replica_ranks or ())
+        if replica_ranks is not None and len(replica_ranks) > 1:
+            name = "-".join(map(str, replica_ranks))
+            self.replica = self._make(backend, dist.PrefixStore(f"replica/{name}/", store),
+                                      list(replica_ranks).index(rank), len(replica_ranks))
+        self._links: dict[tuple[int, str], tuple[Any, int]] = {}
+        if backend == "nccl":
+            for peer, channel in links:
+                low, high = sorted((rank, peer))
+                pg = self._make(backend, dist.PrefixStore(f"link/{low}-{high}/{channel}/", store),
+                                0 if rank == low else 1, 2)
+                self._links[(peer, channel)] = (pg, 1 if rank == low else 0)
+
+    def _make(self, backend: str, store: dist.Store, rank: int, size: int) -> Any:
+        pg = _new_backend(backend, store, rank, size, self.timeout, self.device)
+        self._groups.append(pg)
+        return pg
+
+    # -- point to point ---------------------------------------------------------------------------------------
+
+    def _route(self, peer: int, channel: str) -> tuple[Any, int]:
+        return self._links.get((peer, channel), (self.world, peer))
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int, channel: str) -> Any:
+        pg, dst = self._route(peer, channel)
+        return pg.send([tensor], dst, tag)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int, channel: str) -> Any:
+        pg, src = self._route(peer, channel)
+        return pg.recv([tensor], src, tag)
+
+    # -- collectives --------------------------------------------------------------------------------------------
+
+    def replica_allreduce(self, tensor: torch.Tensor) -> Any:
+        """Start the sum of ``tensor`` over this stage's replicas; returns the work to wait for."""
+        if self.replica is None:
+            raise RuntimeError("this rank's stage is not replicated")
+        return self.replica.allreduce([tensor])
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order. A collective over the control group, on the CPU."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self._wait(self.control.allgather([sizes], [size]), "exchange of object sizes")
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._wait(self.control.allgather([out], [padded]), "exchange of objects")
+        return [pickle.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(out, sizes)]
+
+    def barrier(self) -> None:
+        self._wait(self.control.barrier(), "barrier")
+
+    def _wait(self, work: Any, what: str) -> None:
+        if work.wait(self.timeout) is False:
+            raise TimeoutError(f"{what} timed out after {self.timeout.total_seconds():.0f}s")
+
+    # -- ending -------------------------------------------------------------------------------------------------
+
+    def abort(self) -> None:
+        """Cancel every pending operation and drop every connection (a peer failed). Idempotent."""
+        for pg in self._groups:
+            try:
+                pg.abort()
+            except Exception:  # a backend without abort, or one already torn down
+                pass
+        self._groups.clear()
+        self._links.clear()
+
+    def close(self) -> None:
+        """Shut every group down cleanly, so no backend thread outlives the trainer. Idempotent."""
+        for pg in self._groups:
+            try:
+                pg.shutdown()
+            except Exception:  # already aborted or shut down
+                pass
+        self._groups.clear()
+        self._links.clear()

@@ -1,0 +1,419 @@
+"""The trainer: builds a rank's part of the pipeline, runs its actions, and calls the hooks.
+
+Semantics are those of the mode (see :mod:`pipedream_ft.pipeline.modes`): ``"stash"`` (PipeDream's weight
+stashing, the default), ``"vertical"`` (vertical sync) or ``"flush"`` (synchronous minibatch SGD over windows
+of ``flush_every`` minibatches). Replicated stages all-reduce their gradients among themselves before each
+update; minibatches are dealt to replicas round-robin.
+
+The pieces, each in its own module:
+
+* :class:`~pipedream_ft.pipeline.topology.Topology` — the rank's stage, replica and peers, from the plan;
+* :class:`~pipedream_ft.pipeline.state.StageState` — weights, versions, optimizer, RNG, position, extra state;
+* :class:`~pipedream_ft.pipeline.executor.Executor` — forward, backward, update, the pre-flight check;
+* :class:`~pipedream_ft.pipeline.group.CommGroup` — the process groups of the current epoch;
+* :class:`~pipedream_ft.ft.checkpointer.Checkpointer` — cuts, saves, commits, resume;
+* hooks — timeline, metrics, progress bar, watchdog, fault injection.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from partitioner.plan import Plan, PlanError
+from profiler.profile import Profile
+
+from .checkpoint import Storage
+from .env import DistEnv, read_env
+from .errors import PipelineSetupError
+from .ft.checkpointer import CheckpointConfig, Checkpointer
+from .ft.coordination import Coordinator
+from .ft.elastic import describe_plan, load_stored_profile, replan
+from .ft.faults import FaultInjector
+from .ft.watchdog import Watchdog, WatchdogHook
+from .observe.hooks import MetricsHook, ProgressHook, TimelineHook
+from .observe.metrics import MetricsWriter, summary_table
+from .observe.timeline import TimelineRecorder
+from .pipeline.comm import Messenger
+from .pipeline.executor import DataFn, Executor, RankStats
+from .pipeline.group import CommGroup
+from .pipeline.hooks import HookList, Hooks
+from .pipeline.modes import MODES, Mode, make_mode
+from .pipeline.schedule import Action
+from .pipeline.stage import build_stage, model_layers
+from .pipeline.state import StageState
+from .pipeline.topology import Topology
+
+__all__ = ["MODES", "PipelineConfig", "RankStats", "TrainResult", "PipelineTrainer"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelineConfig:
+    """How the pipeline trains."""
+
+    mode: str = "stash"
+    """``"stash"`` (asynchronous 1F1B with weight stashing), ``"vertical"`` (plus vertical sync) or ``"flush"``."""
+    flush_every: int = 4
+    """Minibatches per optimizer step in ``"flush"`` mode."""
+    timeout_s: float = 45.0
+    """Longest wait for a peer (a transfer, an all-reduce) before the rank fails naming it."""
+    watchdog_s: float | None = 60.0
+    """Fail the rank if it makes no progress at all for this long (``None``: no watchdog)."""
+    health_file: str | None = field(default_factory=lambda: os.environ.get("PIPEDREAM_FT_HEALTH_FILE"))
+    """Refreshed while the rank makes progress (for liveness probes); default ``$PIPEDREAM_FT_HEALTH_FILE``."""
+    trace_dir: str | None = field(default_factory=lambda: os.environ.get("PIPEDREAM_FT_TRACE_DIR"))
+    """Write this rank's timeline (Chrome/Perfetto trace) here; default ``$PIPEDREAM_FT_TRACE_DIR``."""
+    metrics_dir: str | None = field(default_factory=lambda: os.environ.get("PIPEDREAM_FT_METRICS_DIR"))
+    """Write this rank's metrics (JSON lines, one per update) here; default ``$PIPEDREAM_FT_METRICS_DIR``."""
+    progress: bool = True
+    """A progress bar on rank 0 (only when stderr is a terminal)."""
+    summary: bool = True
+    """Print a per-rank summary table on rank 0 at the end of :meth:`PipelineTrainer.train`."""
+    seed: int = 0
+    """Seeds each forward's RNG from (seed, stage, minibatch), so dropout is reproducible across restarts."""
+    check_model_hash: bool = True
+    """Refuse a plan whose profile hash differs from the model's structure."""
+    backend: str | None = None
+    """``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.flush_every < 1:
+            raise ValueError(f"flush_every must be >= 1, got {self.flush_every}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {self.backend!r}")
+
+
+@dataclass(slots=True)
+class TrainResult:
+    """What :meth:`PipelineTrainer.train` returns on every rank."""
+
+    losses: list[float]
+    """Loss of each minibatch trained, in minibatch order."""
+    start: int
+    """First minibatch number of this call."""
+    seconds: float
+    stats: RankStats = field(default_factory=RankStats)
+
+
+def _backend_and_device(env: DistEnv, backend: str | None) -> tuple[str, torch.device]:
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise PipelineSetupError("backend 'nccl' needs CUDA, but torch.cuda.is_available() is False")
+        if env.local_rank >= torch.cuda.device_count():
+            raise PipelineSetupError(f"LOCAL_RANK {env.local_rank} has no GPU ({torch.cuda.device_count()} visible)")
+        torch.cuda.set_device(env.local_rank)
+        return backend, torch.device("cuda", env.local_rank)
+    return backend, torch.device("cpu")
+
+
+class PipelineTrainer:
+    """Runs this rank's stage of ``plan``.
+
+    ``model`` is the whole model (an ``nn.Sequential`` or an fx-traceable module) or a zero-argument factory
+    for it; only this rank's layers are kept. ``optimizer_factory(params)`` builds the stage's optimizer (it is
+    not called for a stage without parameters). ``profile`` (the model's profile) lets a job whose world size
+    changed re-plan; with checkpointing it is also stored beside the checkpoints, so later attempts can re-plan
+    without it. The trainer builds its own process groups (it does not need ``torch.distributed``'s default
+    group); :meth:`close` releases them.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Callable[[], nn.Module],
+        plan: Plan,
+        *,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        config: PipelineConfig | None = None,
+        env: DistEnv | None = None,
+        checkpoint: CheckpointConfig | None = None,
+        extra_state: dict[str, Any] | None = None,
+        profile: Profile | None = None,
+    ) -> None:
+        self.config = config = config or PipelineConfig()
+        self.timeline: dict[str, float] = {"start": time.time()}
+        """Wall-clock times of this attempt's milestones: start, joined, restored, first_update."""
+        self.env = env = env or read_env()
+        self.backend, self.device = _backend_and_device(env, config.backend)
+        if not isinstance(model, nn.Module):
+            model = model()
+        ml = model_layers(model)
+        model_hash = None
+        if config.check_model_hash:
+            from profiler.layers import structure_profile
+
+            model_hash = structure_profile(model).structure_hash()
+        self.profile = profile
+        if profile is not None and profile.structure_hash() != plan.profile_hash:
+            raise PlanError(f"the profile (hash {profile.structure_hash()[:12]}) is not the plan's model "
+                            f"(hash {plan.profile_hash[:12]})")
+        self.original_plan = plan
+        if plan.world_size != env.world_size and len(ml.names) == plan.num_layers:
+            plan = self._replan(plan, checkpoint)
+        plan.check_fits(profile_hash=model_hash, num_layers=len(ml.names), world_size=env.world_size)
+        self.plan = plan
+        self.topo = topo = Topology.of(plan, env.rank)
+        self.mode: Mode = make_mode(config.mode, config.flush_every)
+        self.mode.check(topo)
+        module = build_stage(ml, plan, topo.stage).to(self.device)
+        del ml, model
+        self.state = StageState(module, optimizer_factory, stage=topo.stage, replica=topo.replica,
+                                keep=self.mode.versions_kept(topo), extra=extra_state)
+        self.loss_fn = loss_fn
+        # every check above is local and the same on every rank; only now talk to the others
+        self.coordinator = Coordinator(env, config.timeout_s)
+        self.hooks = HookList()
+        self.faults = FaultInjector.from_env(rank=env.rank, attempt=env.restart_count)
+        if self.faults:
+            self.hooks.add(self.faults)
+        self._add_observers()
+        self.group = self._join()
+        self.messenger = Messenger(self.group, config.timeout_s)
+        self.executor = Executor(topo, self.state, self.mode, self.messenger, loss_fn=loss_fn, seed=config.seed,
+                                 hooks=self.hooks)
+        self.ckpt: Checkpointer | None = None
+        if checkpoint is not None:
+            self.ckpt = Checkpointer(checkpoint, topo=topo, mode=self.mode, state=self.state, group=self.group,
+                                     coordinator=self.coordinator, hooks=self.hooks,
+                                     flush_sends=self.messenger.flush, profile=profile)
+            if self.faults:
+                self.faults.instrument(self.ckpt)
+            if topo.is_first:
+                self.executor.decide = self.ckpt.decide
+            self.executor.on_cut = self.ckpt.on_cut
+        self.redone = 0
+        self.resumed_from = self.ckpt.resume() if self.ckpt is not None else None
+        self.timeline["restored"] = time.time()
+        self.hooks.on_event("start", attempt=env.restart_count, resumed_from=self.resumed_from)
+        if self.resumed_from is not None:
+            self._log_resume()
+
+    # -- set-up ---------------------------------------------------------------------------------------------
+
+    def _replan(self, plan: Plan, checkpoint: CheckpointConfig | None) -> Plan:
+        """The world size is not the plan's: plan again for it (see :mod:`pipedream_ft.ft.elastic`)."""
+        profile = self.profile
+        if profile is None:
+            if checkpoint is None:
+                raise PlanError(f"plan needs {plan.world_size} workers, but the world size is {self.env.world_size} "
+                                "(pass profile= to re-plan for the new size)")
+            profile = load_stored_profile(Storage(checkpoint.url, checkpoint.storage_options))
+            if profile.structure_hash() != plan.profile_hash:
+                raise PipelineSetupError("the profile stored with the checkpoints is not this plan's model")
+        new = replan(profile, self.env.world_size, plan.settings)
+        if self.env.rank == 0:
+            msg = (f"world size {self.env.world_size} differs from the plan's {plan.world_size}: re-planned from "
+                   f"{describe_plan(plan)} to {describe_plan(new)}")
+            log.warning(msg)
+            print(f"pipedream-ft: {msg}", flush=True)
+        return new
+
+    def _join(self) -> CommGroup:
+        """Agree on a fresh epoch namespace with every rank and build this epoch's process groups."""
+        topo = self.topo
+        epoch = self.coordinator.new_epoch()
+        group = CommGroup(epoch.store, rank=self.env.rank, world_size=self.env.world_size, backend=self.backend,
+                          device=self.device, timeout_s=self.config.timeout_s,
+                          links=topo.links() if self.backend == "nccl" else (),
+                          replica_ranks=topo.stage_ranks if len(topo.stage_ranks) > 1 else None)
+        self.timeline["joined"] = time.time()
+        log.info("rank %d/%d joined (%s, restart %d)", self.env.rank, self.env.world_size, self.backend,
+                 self.env.restart_count)
+        return group
+
+    def _add_observers(self) -> None:
+        config, env, topo = self.config, self.env, self.topo
+        if config.watchdog_s:
+            self.hooks.add(WatchdogHook(Watchdog(config.watchdog_s, rank=env.rank, health_file=config.health_file),
+                                        topo.stage))
+        if config.trace_dir:
+            self.hooks.add(TimelineHook(TimelineRecorder(config.trace_dir, rank=env.rank, stage=topo.stage,
+                                                         replica=topo.replica, attempt=env.restart_count),
+                                        topo.replica))
+        if config.metrics_dir:
+            self.hooks.add(MetricsHook(MetricsWriter(config.metrics_dir, env.rank), rank=env.rank, stage=topo.stage,
+                                       attempt=env.restart_count, stats=lambda: self.executor.stats,
+                                       last_loss=self._last_loss, extra=self._metrics_extra))
+        reporter = topo.is_last and topo.replica == 0
+        self.progress = ProgressHook(bar=config.progress and env.rank == 0,
+                                     report=self.coordinator.report_progress if reporter else None,
+                                     last_loss=self._last_loss, reported_loss=self.coordinator.last_loss)
+        self.hooks.add(self.progress)
+        self.hooks.add(_Milestones(self.timeline))
+
+    def _last_loss(self) -> float | None:
+        losses = self.executor.losses
+        return losses[-1][1] if self.topo.is_last and losses else None
+
+    def _metrics_extra(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"restarts": self.env.restart_count, "redone": self.redone}
+        if self.ckpt is not None:
+            out.update(self.ckpt.metrics())
+        return out
+
+    def _log_resume(self) -> None:
+        """Say where this attempt resumes and how much work the failed one loses (it reported its progress)."""
+        reached = self.coordinator.progress() if self.env.restart_count > 0 else None
+        self.redone = max(0, reached - self.position) if reached is not None else 0
+        if self.env.rank == 0:
+            redone = f"; the failed attempt had reached minibatch {reached}, so {self.redone} minibatches are redone" \
+                if reached is not None else ""
+            log.warning("attempt %d resumes from committed checkpoint at minibatch %d (update %d)%s",
+                        self.env.restart_count, self.position, self.state.versions.current.updates, redone)
+            print(f"pipedream-ft: resumed from checkpoint {self.position} (attempt {self.env.restart_count})"
+                  + (f"; redoing {self.redone} minibatches" if reached is not None else ""), flush=True)
+
+    # -- views ----------------------------------------------------------------------------------------------
+
+    @property
+    def position(self) -> int:
+        """Minibatches trained so far (the data position)."""
+        return self.state.position
+
+    @property
+    def stage_index(self) -> int:
+        return self.topo.stage
+
+    @property
+    def replica(self) -> int:
+        return self.topo.replica
+
+    @property
+    def is_first(self) -> bool:
+        return self.topo.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.topo.is_last
+
+    @property
+    def module(self) -> nn.Module:
+        return self.state.module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.state.optimizer
+
+    @property
+    def stats(self) -> RankStats:
+        return self.executor.stats
+
+    # -- training -------------------------------------------------------------------------------------------
+
+    def preflight(self, data: DataFn) -> None:
+        """Check every stage on one minibatch before training (see :meth:`Executor.preflight`). A collective."""
+        self.executor.preflight(data)
+
+    def schedule(self, start: int, stop: int) -> list[Action]:
+        return self.mode.schedule(self.topo, start, stop)
+
+    def train(self, data: DataFn, steps: int) -> TrainResult:
+        """Train minibatches ``position .. position + steps - 1`` and drain the pipeline. A collective.
+
+        ``steps`` counts minibatches (PipeDream's unit of work; in ``"flush"`` mode, ``flush_every`` of them
+        make one optimizer step) and must be a multiple of the mode's window (every stage's replica count).
+        """
+        window = self.mode.window(self.topo)
+        if steps < 0 or steps % window:
+            raise ValueError(f"steps must be a non-negative multiple of {window} for this plan and mode, got {steps}")
+        ex = self.executor
+        if not ex.preflight_done:
+            ex.preflight(data)
+        start, stop = self.position, self.position + steps
+        actions = self.schedule(start, stop)
+        forwards = [i for i, a in enumerate(actions) if a.kind == "F"]
+        t0 = time.perf_counter()
+        ex.losses = []
+        self.hooks.on_train_start(start, stop)
+        try:
+            nxt = 0  # first forward at or after the current action
+            for i, action in enumerate(actions):
+                # post the next receives before computing: this forward's and the next one's
+                while nxt < len(forwards) and forwards[nxt] < i:
+                    nxt += 1
+                for j in forwards[nxt: nxt + (2 if action.kind == "F" else 1)]:
+                    ex.post_activation_recv(actions[j].index)
+                self.hooks.on_action(action)
+                if action.kind == "F":
+                    ex.forward(action.index, data)
+                elif action.kind == "B":
+                    ex.backward(action.index)
+                else:
+                    ex.update(action.index)
+                if self.ckpt is not None:
+                    self.ckpt.announce_preemption()
+            self.hooks.on_event("draining")
+            self.messenger.flush()
+        finally:
+            self.hooks.on_train_end(start, stop)
+        self.state.position = stop
+        self.progress.report(stop, force=True)
+        seconds = time.perf_counter() - t0
+        result = TrainResult(ex.gather_losses(), start, seconds, ex.stats)
+        if self.config.summary:
+            self._print_summary(seconds)
+        return result
+
+    def _print_summary(self, seconds: float) -> None:
+        """Gather every rank's statistics and print a table on rank 0. A collective."""
+        mine = {"rank": self.env.rank, "stage": self.topo.stage, "seconds": seconds, **self.executor.stats.as_dict()}
+        rows = self.group.all_gather_object(mine)
+        if self.env.rank == 0:
+            print(summary_table(rows), flush=True)
+
+    def fit(self, data: DataFn, total: int) -> TrainResult:
+        """Train until ``total`` minibatches are done in all, continuing from a resumed checkpoint's position;
+        then wait for pending checkpoints to commit. A collective."""
+        result = self.train(data, max(0, total - self.position))
+        if self.ckpt is not None:
+            self.ckpt.finish(self.position)
+        return result
+
+    # -- results --------------------------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights (original keys), gathered from the stages onto every rank. A collective."""
+        mine = {k: v.detach().cpu() for k, v in self.state.module.state_dict().items()} if self.topo.replica == 0 \
+            else {}
+        out: dict[str, torch.Tensor] = {}
+        for part in self.group.all_gather_object(mine):
+            out.update(part or {})
+        return out
+
+    def save_model(self, path: str) -> None:
+        """Gather the whole model's weights and save them (rank 0 writes) with ``torch.save``. A collective."""
+        state = self.full_state_dict()
+        if self.env.rank == 0:
+            torch.save(state, path)
+        self.group.barrier()
+
+    def close(self) -> None:
+        """Wait for pending checkpoint commits, stop the background threads, close the traces, and shut this
+        rank's process groups down (no backend thread outlives it). Idempotent."""
+        if self.ckpt is not None:
+            self.ckpt.close()
+        self.hooks.close()
+        self.group.close()
+
+
+class _Milestones(Hooks):
+    def __init__(self, timeline: dict[str, float]) -> None:
+        self.timeline = timeline
+
+    def on_update(self, round_: int, done: int, start: float, end: float) -> None:
+        if "first_update" not in self.timeline:
+            self.timeline["first_update"] = end
