@@ -16,6 +16,21 @@ Typical use, on every rank::
 and on restart::
 
     found = load_latest(storage, part_name, expected={"plan_hash": plan_hash})
+
+Tiers (:mod:`.tiers`): a :class:`TierWriter` saves often into fast tiers — this node's shared memory
+(:class:`MemoryTier`) and a buddy rank's memory over TCP (:class:`PeerTier` to its :class:`PeerServer`) — while
+the :class:`CheckpointWriter` saves less often to the durable storage (:class:`DurableTier` for reading it)::
+
+    shm = MemoryTier(job_id)                                    # /dev/shm/pdft-<job_id>
+    server = PeerServer(shm, host=node_address).start()        # publish server.address to the buddy
+    fast = TierWriter([shm, PeerTier(buddy_address)], part_name, keep=2)
+    fast.save(step, state)                                      # each tier's policy decides when
+    ...
+    tiers = [shm, PeerTier(buddy_address), DurableTier(storage)]
+    mine = available_steps(tiers, part_name)                    # agree across ranks on a step every part has
+    step, tier_name, state = load_newest(tiers, part_name, agreed_steps)
+    ...
+    shm.destroy()                                               # at job end
 """
 
 from __future__ import annotations
@@ -24,8 +39,11 @@ from .checksum import ALGORITHMS as CHECKSUM_ALGORITHMS
 from .format import CheckpointError, CommitRecord, CorruptCheckpointError, PartMeta
 from .reader import (check_compatible, decode_verified, latest_committed, list_committed, load_latest, load_part,
                      read_commit)
+from .peer import PeerClient, PeerError, PeerServer, PeerTier
+from .shm import MemoryTier
 from .snapshot import Immutable, SnapshotPool, immutable
 from .storage import Buffers, RetryConfig, Storage, StorageError
+from .tiers import DurableTier, Tier, TierSave, TierWriter, available_steps, load_newest
 from .writer import CheckpointWriter, SaveHandle
 
 __all__ = [
@@ -35,19 +53,30 @@ __all__ = [
     "CheckpointWriter",
     "CommitRecord",
     "CorruptCheckpointError",
+    "DurableTier",
     "Immutable",
+    "MemoryTier",
     "PartMeta",
+    "PeerClient",
+    "PeerError",
+    "PeerServer",
+    "PeerTier",
     "RetryConfig",
     "SaveHandle",
     "SnapshotPool",
     "Storage",
     "StorageError",
+    "Tier",
+    "TierSave",
+    "TierWriter",
+    "available_steps",
     "check_compatible",
     "decode_verified",
     "immutable",
     "latest_committed",
     "list_committed",
     "load_latest",
+    "load_newest",
     "load_part",
     "read_commit",
 ]
