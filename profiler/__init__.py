@@ -9,12 +9,15 @@ from __future__ import annotations
 from typing import Any
 
 from .graphtxt import dumps_graph_txt, parse_graph_txt
-from .profile import FORMAT, VERSION, Layer, Profile, ProfileError, load_profile
+from .profile import FORMAT, KINDS, VERSION, Layer, ModelInput, Profile, ProfileError, TiedGroup, load_profile
 
 __all__ = [
     "FORMAT",
     "VERSION",
+    "KINDS",
     "Layer",
+    "TiedGroup",
+    "ModelInput",
     "Profile",
     "ProfileError",
     "load_profile",

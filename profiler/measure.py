@@ -5,6 +5,12 @@ once to collect every layer's inputs, then each layer is run ``warmup + repeats`
 copies of them (floating tensors requiring grad), timing the forward pass and then
 ``torch.autograd.backward`` from its outputs. Times are medians over the ``repeats`` runs. The model is run in
 training mode; its mode, gradients, buffers and device are restored afterwards.
+
+Each layer's kind comes from the output it really computes on the example input: ``"value"`` if it holds no
+tensor at all (``x.size()``, ``getitem`` of a size, ``floordiv`` of ints, ``x.device``, ...), else
+``"tensor"``. A module call (``call_module``, or a child of an ``nn.Sequential``) must return a tensor
+somewhere in its output: one that returns none cannot be pipelined and is refused with a
+:class:`~profiler.profile.ProfileError`.
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .layers import LayerGraph, fetch_attr, layer_graph, sequential_children, tensor_bytes
-from .profile import Layer, Profile
+from .layers import LayerGraph, fetch_attr, has_tensor, layer_graph, sequential_children, tensor_bytes
+from .profile import Layer, ModelInput, Profile, ProfileError
 
 __all__ = ["profile_model", "resolve_device"]
 
@@ -226,6 +232,9 @@ def profile_model(
         try:
             # one pass over the whole model to get every layer's real inputs
             activation: list[int] = []
+            kinds: list[str] = []
+            is_module = ([True] * len(calls) if graph.kind == "sequential"
+                         else [n.op == "call_module" for n in graph.nodes()])
             with torch.no_grad():
                 for i, call in enumerate(calls):
                     try:
@@ -236,6 +245,7 @@ def profile_model(
                             f"{type(exc).__name__}: {exc}"
                         ) from exc
                     env[keys_out[i]] = out
+                    kinds.append(_kind(graph, i, out, is_module[i]))
                     activation.append(tensor_bytes(out))
                     bar.update(1)
             layers: list[Layer] = []
@@ -250,6 +260,7 @@ def profile_model(
                         backward_ms=bwd,
                         activation_bytes=float(activation[i]),
                         parameter_bytes=float(graph.parameter_bytes[i]),
+                        kind=kinds[i],
                     )
                 )
                 bar.update(1)
@@ -269,4 +280,21 @@ def profile_model(
         "layer_graph": graph.kind,
     }
     info.update(meta or {})
-    return Profile(tuple(layers), tuple(graph.edges), info)
+    model_inputs = tuple(
+        ModelInput(name, float(tensor_bytes(inputs[i])) if i < len(inputs) else 0.0, tuple(readers))
+        for i, (name, readers) in enumerate(zip(graph.input_names, graph.input_readers))
+    )
+    return Profile(tuple(layers), tuple(graph.edges), info, tuple(graph.tied), model_inputs)
+
+
+def _kind(graph: LayerGraph, i: int, out: Any, is_module: bool) -> str:
+    """``"tensor"`` or ``"value"`` for layer ``i``'s real output; a module call must return a tensor."""
+    if has_tensor(out):
+        return "tensor"
+    if is_module:
+        raise ProfileError(
+            f"layer {graph.names[i]} ({graph.descriptions[i]}) is a module call that returned no tensor "
+            f"({type(out).__name__}); it cannot be pipelined: return its result as a tensor, or compute it "
+            "outside a module"
+        )
+    return "value"

@@ -14,11 +14,26 @@ JSON format (``"format": "pipedream-ft-profile"``, ``"version": 1``)::
          "activation_bytes": 131072, "parameter_bytes": 640},
         ...
       ],
-      "edges": [[0, 1], [1, 2], ...]
+      "edges": [[0, 1], [1, 2], ...],
+      "tied": [{"name": "wte.weight", "bytes": 65536, "layers": [1, 129]}],
+      "inputs": [{"name": "idx", "bytes": 1024, "readers": [0, 3]}]
     }
 
 Times are per minibatch in milliseconds; sizes are bytes (``activation_bytes`` is the layer's output for one
-minibatch). Edges index into ``layers``. Layer names are the handle the runtime uses to find the layer in the
+minibatch: the bytes of the tensors in it). Edges index into ``layers``.
+
+Each layer has a ``kind`` (optional in JSON, default ``"tensor"``): a ``"value"`` layer is one whose output holds
+no tensor at all (ints, ``torch.Size``, dtypes, devices, ``None``, tuples of those; e.g. ``x.size()`` and the
+shape arithmetic after it). Such a value is never sent between pipeline stages: a stage that needs it
+recomputes it from its inputs, so its ``activation_bytes`` is 0. Any other layer is ``"tensor"`` and crosses
+a stage boundary as the tensors in its output.
+
+``tied`` (optional, default empty) lists the parameters that several layers share (by identity, e.g. GPT-2's
+``lm_head.weight is wte.weight``): the name under which the model first reaches the parameter, its bytes, and
+the layers using it (ascending). A layer's ``parameter_bytes`` counts a shared parameter on its first user only.
+
+``inputs`` (optional, default empty) lists the model's inputs: name, bytes for one minibatch, and the layers
+reading each directly. Plans use it to count an input that must be passed on to a later stage. Layer names are the handle the runtime uses to find the layer in the
 model: the child's index for an ``nn.Sequential``, the fx node name for a traced model, ``nodeN`` for profiles
 imported from PipeDream's ``graph.txt``.
 """
@@ -35,7 +50,10 @@ from typing import Any, Iterable, Sequence
 __all__ = [
     "FORMAT",
     "VERSION",
+    "KINDS",
     "Layer",
+    "TiedGroup",
+    "ModelInput",
     "Profile",
     "ProfileError",
     "load_profile",
@@ -43,6 +61,8 @@ __all__ = [
 
 FORMAT = "pipedream-ft-profile"
 VERSION = 1
+KINDS = ("tensor", "value")
+"""Layer kinds: ``"tensor"`` (its output holds tensors) or ``"value"`` (no tensor: recomputed, never sent)."""
 
 
 class ProfileError(ValueError):
@@ -65,6 +85,8 @@ class Layer:
     """Bytes of this layer's output for one minibatch."""
     parameter_bytes: float
     """Bytes of this layer's own parameters."""
+    kind: str = "tensor"
+    """``"tensor"`` or ``"value"`` (its output holds no tensor; see the module docstring)."""
 
     def __post_init__(self) -> None:
         for key in ("forward_ms", "backward_ms", "activation_bytes", "parameter_bytes"):
@@ -73,6 +95,54 @@ class Layer:
                 raise ProfileError(f"layer {self.name!r}: {key} must be a number, got {value!r}")
             if math.isnan(value) or math.isinf(value) or value < 0:
                 raise ProfileError(f"layer {self.name!r}: {key} must be finite and >= 0, got {value!r}")
+        if self.kind not in KINDS:
+            raise ProfileError(f"layer {self.name!r}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.kind == "value" and self.activation_bytes != 0:
+            raise ProfileError(
+                f"layer {self.name!r}: a value layer holds no tensor, so its activation_bytes must be 0, "
+                f"got {self.activation_bytes!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class TiedGroup:
+    """A parameter shared by several layers."""
+
+    name: str
+    """The qualified name under which the model first reaches the parameter, e.g. ``"wte.weight"``."""
+    bytes: float
+    """The parameter's size in bytes."""
+    layers: tuple[int, ...]
+    """Indices of the layers using it, ascending, at least two."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bytes, (int, float)) or isinstance(self.bytes, bool) \
+                or not math.isfinite(self.bytes) or self.bytes < 0:
+            raise ProfileError(f"tied parameter {self.name!r}: bytes must be a finite number >= 0, got {self.bytes!r}")
+        if len(self.layers) < 2 or list(self.layers) != sorted(set(self.layers)):
+            raise ProfileError(
+                f"tied parameter {self.name!r}: layers must be two or more distinct indices, ascending, "
+                f"got {list(self.layers)}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInput:
+    """One input of the model."""
+
+    name: str
+    """The input's name (the fx placeholder, or ``"input"`` for an ``nn.Sequential``)."""
+    bytes: float
+    """Bytes of the input for one minibatch (0 in a structure-only profile)."""
+    readers: tuple[int, ...]
+    """Indices of the layers that read it directly, ascending."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bytes, (int, float)) or isinstance(self.bytes, bool) \
+                or not math.isfinite(self.bytes) or self.bytes < 0:
+            raise ProfileError(f"input {self.name!r}: bytes must be a finite number >= 0, got {self.bytes!r}")
+        if list(self.readers) != sorted(set(self.readers)):
+            raise ProfileError(f"input {self.name!r}: readers must be distinct indices, ascending, got {list(self.readers)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,11 +152,23 @@ class Profile:
     layers: tuple[Layer, ...]
     edges: tuple[tuple[int, int], ...]
     meta: dict[str, Any] = field(default_factory=dict)
+    tied: tuple[TiedGroup, ...] = ()
+    """Parameters shared by several layers (layer indices into ``layers``)."""
+    inputs: tuple[ModelInput, ...] = ()
+    """The model's inputs and the layers reading them (empty when unknown, e.g. from ``graph.txt``)."""
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise ProfileError("profile has no layers")
         n = len(self.layers)
+        for group in self.tied:
+            if not all(0 <= i < n for i in group.layers):
+                raise ProfileError(
+                    f"tied parameter {group.name!r} names layers {list(group.layers)}, but the profile has {n} layers"
+                )
+        for inp in self.inputs:
+            if not all(0 <= i < n for i in inp.readers):
+                raise ProfileError(f"input {inp.name!r} names readers {list(inp.readers)}, but the profile has {n} layers")
         names: set[str] = set()
         for layer in self.layers:
             if layer.name in names:
@@ -105,12 +187,17 @@ class Profile:
 
     @staticmethod
     def from_unordered(
-        layers: Sequence[Layer], edges: Iterable[tuple[str, str]], meta: dict[str, Any] | None = None
+        layers: Sequence[Layer],
+        edges: Iterable[tuple[str, str]],
+        meta: dict[str, Any] | None = None,
+        tied: Sequence[TiedGroup] = (),
+        inputs: Sequence[ModelInput] = (),
     ) -> Profile:
         """Build a profile from layers in any order and edges given by name; sorts topologically.
 
-        Ties are broken by the original order, so an already ordered input is kept as is. Raises
-        :class:`ProfileError` on an unknown name or a cycle.
+        Ties are broken by the original order, so an already ordered input is kept as is. ``tied`` and
+        ``inputs`` index into ``layers`` as given and are renumbered. Raises :class:`ProfileError` on an unknown
+        name or a cycle.
         """
         index = {layer.name: i for i, layer in enumerate(layers)}
         if len(index) != len(layers):
@@ -147,7 +234,19 @@ class Profile:
             raise ProfileError(f"the layer graph has a cycle through {', '.join(stuck[:5])}")
         pos = {old: new for new, old in enumerate(order)}
         new_edges = tuple(sorted((pos[a], pos[b]) for a, b in pairs))
-        return Profile(tuple(layers[i] for i in order), new_edges, dict(meta or {}))
+        n = len(layers)
+
+        def renumber(indices: Iterable[int], what: str) -> tuple[int, ...]:
+            out = []
+            for i in indices:
+                if not 0 <= i < n:
+                    raise ProfileError(f"{what} names layer {i}, but the profile has {n} layers")
+                out.append(pos[i])
+            return tuple(sorted(out))
+
+        new_tied = tuple(TiedGroup(g.name, g.bytes, renumber(g.layers, f"tied parameter {g.name!r}")) for g in tied)
+        new_inputs = tuple(ModelInput(x.name, x.bytes, renumber(x.readers, f"input {x.name!r}")) for x in inputs)
+        return Profile(tuple(layers[i] for i in order), new_edges, dict(meta or {}), new_tied, new_inputs)
 
     # -- queries --------------------------------------------------------------------------------------------
 
@@ -176,16 +275,19 @@ class Profile:
         return list(self.edges) == [(i, i + 1) for i in range(len(self.layers) - 1)]
 
     def structure_hash(self) -> str:
-        """SHA-256 of the model's structure: layer names, descriptions, parameter bytes and edges.
+        """SHA-256 of the model's structure: layer names, descriptions, parameter bytes, edges and tied groups.
 
-        Times and activation sizes are left out, so profiling the same model again (or at another batch
-        size) keeps the hash, while a different model changes it. Plans carry it; the runtime refuses a plan
-        whose hash differs from its model's.
+        Times, activation sizes, layer kinds and inputs are left out, so profiling the same model again (or at
+        another batch size) keeps the hash, while a different model changes it; tied groups count only when
+        there are some, so profiles without any keep their old hash. Plans carry it; the runtime refuses a
+        plan whose hash differs from its model's.
         """
-        body = {
+        body: dict[str, Any] = {
             "layers": [[l.name, l.description, int(l.parameter_bytes)] for l in self.layers],
             "edges": [list(e) for e in self.edges],
         }
+        if self.tied:
+            body["tied"] = [[g.name, int(g.bytes), list(g.layers)] for g in self.tied]
         blob = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
 
@@ -204,10 +306,13 @@ class Profile:
                     "backward_ms": l.backward_ms,
                     "activation_bytes": l.activation_bytes,
                     "parameter_bytes": l.parameter_bytes,
+                    "kind": l.kind,
                 }
                 for l in self.layers
             ],
             "edges": [list(e) for e in self.edges],
+            "tied": [{"name": g.name, "bytes": g.bytes, "layers": list(g.layers)} for g in self.tied],
+            "inputs": [{"name": x.name, "bytes": x.bytes, "readers": list(x.readers)} for x in self.inputs],
         }
 
     def save(self, path: str | Path) -> None:
@@ -249,6 +354,7 @@ class Profile:
                         backward_ms=_number(raw, "backward_ms", where),
                         activation_bytes=_number(raw, "activation_bytes", where),
                         parameter_bytes=_number(raw, "parameter_bytes", where),
+                        kind=str(raw.get("kind", "tensor")),
                     )
                 )
             except KeyError as exc:
@@ -268,10 +374,44 @@ class Profile:
         meta = data.get("meta", {})
         if not isinstance(meta, dict):
             raise ProfileError(f"{source}: field 'meta' must be an object")
+        tied: list[TiedGroup] = []
+        for g, where in _records(data, "tied", ("name", "bytes", "layers"), source):
+            try:
+                tied.append(TiedGroup(str(g["name"]), _number(g, "bytes", where), tuple(g["layers"])))
+            except ProfileError as exc:
+                raise ProfileError(f"{where}: {exc}") from None
+        inputs: list[ModelInput] = []
+        for x, where in _records(data, "inputs", ("name", "bytes", "readers"), source):
+            try:
+                inputs.append(ModelInput(str(x["name"]), _number(x, "bytes", where), tuple(x["readers"])))
+            except ProfileError as exc:
+                raise ProfileError(f"{where}: {exc}") from None
         try:
-            return Profile.from_unordered(layers, [(layers[a].name, layers[b].name) for a, b in edges], meta)
+            return Profile.from_unordered(
+                layers, [(layers[a].name, layers[b].name) for a, b in edges], meta, tied, inputs
+            )
         except ProfileError as exc:
             raise ProfileError(f"{source}: {exc}") from None
+
+
+def _records(data: dict[str, Any], key: str, fields: tuple[str, ...], source: str) -> list[tuple[dict[str, Any], str]]:
+    """The objects of the optional list field ``key``, checked to have ``fields`` and an index list last."""
+    raw = data.get(key, [])
+    if not isinstance(raw, list):
+        raise ProfileError(f"{source}: field {key!r} must be a list")
+    out = []
+    for i, rec in enumerate(raw):
+        where = f"{source}: {key}[{i}]"
+        if not isinstance(rec, dict):
+            raise ProfileError(f"{where}: expected an object")
+        for f in fields:
+            if f not in rec:
+                raise ProfileError(f"{where}: missing field {f!r}")
+        idx = rec[fields[-1]]
+        if not (isinstance(idx, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in idx)):
+            raise ProfileError(f"{where}: field {fields[-1]!r} must be a list of layer indices, got {idx!r}")
+        out.append((rec, where))
+    return out
 
 
 def _number(raw: dict[str, Any], key: str, where: str) -> float:

@@ -138,3 +138,46 @@ def test_duplicate_node(tmp_path: Path) -> None:
     lines = GOOD.splitlines()
     message = _error(tmp_path, "\n".join(lines[:3] + [lines[2]] + lines[3:]) + "\n")
     assert "duplicate" in message and "node3" in message
+
+
+GNMT_LIKE = (
+    "node1 -- Input0 -- forward_compute_time=0.000, backward_compute_time=0.000, activation_size=4096.0, parameter_size=0.000\n"
+    "node7 -- LSTM(1024, 1024) -- forward_compute_time=4.25, backward_compute_time=8.5, "
+    "activation_size=[6291456.0; 131072.0; 131072.0], parameter_size=33587200.000\n"
+    "node8 -- Dropout(p=0.2) -- forward_compute_time=0.5, backward_compute_time=0.5, activation_size=6291456.0, parameter_size=0.000\n"
+    "\tnode1 -- node7\n"
+    "\tnode7 -- node8\n"
+)
+
+
+def test_list_activation_size_is_summed_and_written_back(tmp_path: Path) -> None:
+    p = load_profile(_write(tmp_path, GNMT_LIKE))
+    lstm = p.layers[p.index("node7")]
+    assert lstm.activation_bytes == 6291456.0 + 131072.0 + 131072.0
+    assert p.meta["activation_parts"] == {"node7": [6291456.0, 131072.0, 131072.0]}
+    text = dumps_graph_txt(p)
+    assert "activation_size=[6291456.0; 131072.0; 131072.0], parameter_size=33587200.0" in text
+    assert parse_graph_txt(text) == p
+    # a changed size is no longer the list that was read: the sum is written
+    changed = Profile(tuple(Layer(l.name, l.description, l.forward_ms, l.backward_ms,
+                                  1.0 if l.name == "node7" else l.activation_bytes, l.parameter_bytes)
+                            for l in p.layers), p.edges, p.meta)
+    assert "activation_size=1.0, parameter_size=33587200.0" in dumps_graph_txt(changed)
+
+
+def test_list_activation_size_plans() -> None:
+    from partitioner import partition
+
+    plan = partition(parse_graph_txt(GNMT_LIKE), [2], [1e9])
+    assert plan.world_size == 2
+
+
+@pytest.mark.parametrize("bad", ["[1.0; x]", "[1.0; 2.0", "[-1.0; 2.0]", "[1.0, 2.0]", "[nan]"])
+def test_bad_list_activation_size(tmp_path: Path, bad: str) -> None:
+    message = _error(tmp_path, GNMT_LIKE.replace("[6291456.0; 131072.0; 131072.0]", bad))
+    assert ":2:" in message and "activation" in message
+
+
+def test_empty_list_activation_size_is_zero(tmp_path: Path) -> None:
+    p = load_profile(_write(tmp_path, GNMT_LIKE.replace("[6291456.0; 131072.0; 131072.0]", "[]")))
+    assert p.layers[p.index("node7")].activation_bytes == 0.0

@@ -152,3 +152,91 @@ def test_structure_profile_matches_measured_hash(factory) -> None:
 
 def test_structure_profile_differs_between_models() -> None:
     assert structure_profile(mlp()).structure_hash() != structure_profile(mlp((64, 128, 10))).structure_hash()
+
+
+def test_sequential_shared_module_is_a_tied_group() -> None:
+    shared = nn.Linear(6, 6)
+    g = layer_graph(nn.Sequential(shared, nn.ReLU(), shared))
+    assert [(t.name, t.bytes, t.layers) for t in g.tied] == [("0.weight", 6 * 6 * 4, (0, 2)), ("0.bias", 6 * 4, (0, 2))]
+    assert g.input_names == ["input"] and g.input_readers == [[0]]
+
+
+class _TiedByAttr(nn.Module):
+    """An embedding and an output projection reading the embedding's weight with get_attr."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight  # module tying: reached as emb.weight first
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        return self.head(h) + torch.nn.functional.linear(h, self.emb.weight)
+
+
+def test_tied_groups_across_modules_and_get_attr() -> None:
+    g = layer_graph(_TiedByAttr())
+    assert g.names == ["emb", "head", "emb_weight", "linear", "add"]
+    assert [(t.name, t.bytes, t.layers) for t in g.tied] == [("emb.weight", 10 * 4 * 4, (0, 1, 2))]
+    assert g.parameter_bytes == [160, 0, 0, 0, 0]  # the shared weight counted once, on its first user
+    s = structure_profile(_TiedByAttr())
+    assert s.tied == tuple(g.tied)
+    assert [(i.name, i.bytes, i.readers) for i in s.inputs] == [("idx", 0.0, (0,))]
+
+
+def test_tied_group_changes_the_structure_hash() -> None:
+    untied = _TiedByAttr()
+    untied.head.weight = nn.Parameter(untied.emb.weight.detach().clone())
+    assert [t.layers for t in structure_profile(untied).tied] == [(0, 2)]  # the get_attr still shares emb's
+    assert structure_profile(untied).structure_hash() != structure_profile(_TiedByAttr()).structure_hash()
+
+
+class _Opaque(nn.Module):
+    """A block fx cannot trace (data-dependent control flow)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y if y.sum() > 0 else -y
+
+
+class _WithLeaves(nn.Module):
+    pipeline_leaf_modules = (_Opaque,)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Opaque(), _Opaque()])
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def test_pipeline_leaf_modules_are_single_layers() -> None:
+    model = _WithLeaves()
+    g = layer_graph(model)
+    assert g.names == ["blocks_0", "blocks_1", "out"]
+    assert g.descriptions[0].startswith("_Opaque(")
+    assert g.parameter_bytes[0] == (16 + 4) * 4
+    x = torch.randn(3, 4)
+    assert torch.equal(g.graph_module(x), model(x))
+    assert structure_profile(model).structure_hash() == profile_model(model, x, warmup=0, repeats=1).structure_hash()
+    # without the attribute fx tries to trace into the block and fails with a hint
+    plain = _WithLeaves()
+    plain.pipeline_leaf_modules = ()
+    with pytest.raises(ValueError, match="pipeline_leaf_modules"):
+        layer_graph(plain)
+
+
+@pytest.mark.parametrize("bad", [("Linear",), (int,), 3])
+def test_bad_pipeline_leaf_modules(bad) -> None:
+    model = _WithLeaves()
+    model.pipeline_leaf_modules = bad
+    with pytest.raises(ValueError, match=r"_WithLeaves\.pipeline_leaf_modules must be a tuple of nn\.Module subclasses"):
+        layer_graph(model)

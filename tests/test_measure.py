@@ -204,3 +204,63 @@ def test_saved_profile_loads(tmp_path) -> None:
     p = profile_model(digits_cnn(), torch.randn(2, 1, 8, 8), warmup=0, repeats=1)
     p.save(tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json") == p
+
+
+def test_layer_kinds_come_from_real_outputs() -> None:
+    model = _Multi()
+    x, y = torch.randn(3, 8), torch.randn(3, 4)
+    p = profile_model(model, (x, y), warmup=0, repeats=1)
+    kinds = {l.name: l.kind for l in p.layers}
+    assert kinds["size"] == "value"  # an int
+    assert kinds["chunk"] == "tensor" and kinds["getitem"] == "tensor"  # a tuple of tensors, and one of them
+    assert kinds["new_zeros"] == "tensor" and kinds["lin"] == "tensor"
+    seen = _outputs_fx(model, x, y)
+    for layer in p.layers:
+        has = any(isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_flatten(seen[layer.name])[0])
+        assert (layer.kind == "tensor") == has, layer.name
+    assert [(i.name, i.bytes, i.readers) for i in p.inputs] == [
+        ("x", 3 * 8 * 4, (p.index("lin"), p.index("size"), p.index("new_zeros"))),
+        ("y", 3 * 4 * 4, (p.index("add_1"),)),
+    ]
+
+
+class _ShapeOnly(nn.Module):
+    def forward(self, x: torch.Tensor) -> Any:
+        return x.shape
+
+
+class _ReturnsShape(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.shape = _ShapeOnly()
+        self.pipeline_leaf_modules = (_ShapeOnly,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).view(self.shape(x))
+
+
+@pytest.mark.parametrize("model", [_ReturnsShape(), nn.Sequential(nn.Linear(4, 4), _ShapeOnly())],
+                         ids=["fx", "sequential"])
+def test_module_returning_no_tensor_is_refused(model: nn.Module) -> None:
+    from profiler.profile import ProfileError
+
+    with pytest.raises(ProfileError, match=r"layer (shape|1) \(.*\) is a module call that returned no tensor \(Size\)"):
+        profile_model(model, torch.randn(2, 4), warmup=0, repeats=1)
+
+
+def test_tied_groups_and_inputs_of_a_measured_gpt() -> None:
+    from examples.gpt import gpt
+    from profiler.layers import structure_profile
+
+    torch.manual_seed(0)
+    model = gpt(n_layer=1, n_embd=32, n_head=2, block_size=16)
+    p = profile_model(model, torch.randint(0, 256, (2, 8)), warmup=0, repeats=1)
+    assert [(g.name, g.bytes, [p.layers[i].name for i in g.layers]) for g in p.tied] == [
+        ("wte.weight", 256 * 32 * 4, ["wte", "lm_head"])]
+    assert p.layers[p.index("lm_head")].parameter_bytes == 0  # counted on wte, its first user
+    assert {p.layers[i].name for i, l in enumerate(p.layers) if l.kind == "value"} >= {"size", "getitem", "floordiv"}
+    s = structure_profile(model)
+    assert s.tied == p.tied and s.structure_hash() == p.structure_hash()
+    assert [(i.name, i.readers) for i in s.inputs] == [(i.name, i.readers) for i in p.inputs]
+    assert p.inputs[0].bytes == 2 * 8 * 8 and s.inputs[0].bytes == 0

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from profiler import Layer, Profile, ProfileError, load_profile
+from profiler import Layer, ModelInput, Profile, ProfileError, TiedGroup, load_profile
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -213,3 +213,80 @@ def test_layer_rejects_bad_numbers() -> None:
         Layer("x", "", 0.0, 0.0, True, 0.0)  # type: ignore[arg-type]
     with pytest.raises(ProfileError, match="no layers"):
         Profile((), ())
+
+
+# -- layer kinds, tied parameters, model inputs --------------------------------------------------------------
+
+OLD_DIAMOND_HASH = "49867589116bef314fd68448b4be416cde8acf466651f40ce29aa7fdf72e341f"  # before kinds/tied existed
+
+
+def _with_extras() -> Profile:
+    layers = (_layer("in"), Layer("n", "size", 0.1, 0.0, 0.0, 0.0, kind="value"), _layer("a"), _layer("out"))
+    return Profile(layers, ((0, 1), (0, 2), (1, 3), (2, 3)), {"model": "x"},
+                   (TiedGroup("in.weight", 40.0, (0, 3)),), (ModelInput("x", 64.0, (0, 1)),))
+
+
+def test_old_hash_is_kept() -> None:
+    assert _diamond().structure_hash() == OLD_DIAMOND_HASH
+    doc = _doc()
+    for layer in doc["layers"]:
+        del layer["kind"]
+    del doc["tied"], doc["inputs"]
+    old = Profile.from_json(doc)
+    assert all(l.kind == "tensor" for l in old.layers) and old.tied == () and old.inputs == ()
+    assert old.structure_hash() == OLD_DIAMOND_HASH
+
+
+def test_kinds_tied_and_inputs_round_trip(tmp_path: Path) -> None:
+    p = _with_extras()
+    doc = p.to_json()
+    assert [l["kind"] for l in doc["layers"]] == ["tensor", "value", "tensor", "tensor"]
+    assert doc["tied"] == [{"name": "in.weight", "bytes": 40.0, "layers": [0, 3]}]
+    assert doc["inputs"] == [{"name": "x", "bytes": 64.0, "readers": [0, 1]}]
+    assert Profile.from_json(json.loads(json.dumps(doc))) == p
+    p.save(tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json") == p
+
+
+def test_hash_ignores_kinds_and_inputs_but_not_tied() -> None:
+    p = _with_extras()
+    plain = Profile(tuple(Layer(l.name, l.description, 0, 0, 0, l.parameter_bytes) for l in p.layers), p.edges)
+    assert Profile(plain.layers, plain.edges, {}, (), p.inputs).structure_hash() == plain.structure_hash()
+    assert p.structure_hash() != plain.structure_hash()
+    assert Profile(p.layers, p.edges, {}, p.tied).structure_hash() == p.structure_hash()
+    other = Profile(p.layers, p.edges, {}, (TiedGroup("in.weight", 40.0, (0, 2)),))
+    assert other.structure_hash() != p.structure_hash()
+
+
+def test_from_unordered_renumbers_tied_and_inputs() -> None:
+    layers = [_layer("b"), _layer("a")]
+    p = Profile.from_unordered(layers, [("a", "b")], None, [TiedGroup("w", 8.0, (0, 1))], [ModelInput("x", 4.0, (1,))])
+    assert [l.name for l in p.layers] == ["a", "b"]
+    assert p.tied[0].layers == (0, 1) and p.inputs[0].readers == (0,)
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda d: d["layers"][1].update(kind="scalar"), "kind must be one of tensor, value"),
+    (lambda d: d["layers"][1].update(kind="value", activation_bytes=8), "activation_bytes must be 0"),
+    (lambda d: d.update(tied={}), "'tied' must be a list"),
+    (lambda d: d.update(tied=[{"name": "w", "bytes": 4}]), r"tied\[0\]: missing field 'layers'"),
+    (lambda d: d.update(tied=[{"name": "w", "bytes": 4, "layers": [1]}]), "two or more distinct"),
+    (lambda d: d.update(tied=[{"name": "w", "bytes": 4, "layers": [2, 1]}]), "ascending"),
+    (lambda d: d.update(tied=[{"name": "w", "bytes": 4, "layers": [0, 9]}]), "names layer 9"),
+    (lambda d: d.update(tied=[{"name": "w", "bytes": "4", "layers": [0, 1]}]), "'bytes' must be a number"),
+    (lambda d: d.update(tied=[{"name": "w", "bytes": 4, "layers": [0, True]}]), "list of layer indices"),
+    (lambda d: d.update(inputs=[{"name": "x", "bytes": -1, "readers": [0]}]), "finite number >= 0"),
+    (lambda d: d.update(inputs=[{"name": "x", "bytes": 1, "readers": [7]}]), "names layer 7"),
+])
+def test_kind_tied_and_input_errors(edit, needle) -> None:
+    doc = _doc()
+    edit(doc)
+    with pytest.raises(ProfileError, match=needle) as info:
+        Profile.from_json(doc, source="p.json")
+    assert str(info.value).startswith("p.json")
+
+
+def test_value_layer_needs_zero_activation() -> None:
+    with pytest.raises(ProfileError, match="value layer"):
+        Layer("n", "size", 0.0, 0.0, 4.0, 0.0, kind="value")
+    assert Layer("n", "size", 0.0, 0.0, 0.0, 0.0, kind="value").kind == "value"
