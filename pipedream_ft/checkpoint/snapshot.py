@@ -57,9 +57,15 @@ def immutable(value: Any) -> Immutable:
     return value if isinstance(value, Immutable) else Immutable(value)
 
 
+_Key = tuple[tuple[int, ...], torch.dtype, bool]
+
+
 @dataclass(slots=True)
 class _Arena:
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Buffers by (shape, dtype, pinned): the n-th mutable tensor of a given kind in a snapshot reuses the n-th
+    buffer of that kind (so keys that change from save to save, like update numbers, still reuse buffers)."""
+
+    buffers: dict[_Key, list[torch.Tensor]] = field(default_factory=dict)
     busy: bool = False
 
 
@@ -139,17 +145,21 @@ class SnapshotPool:
         unsupported value; nothing is kept busy then."""
         arena = self._acquire()
         snap = Snapshot(tree=None, _arena=arena, _pool=self)
-        used: set[str] = set()
+        used: dict[_Key, int] = {}
         try:
             snap.tree = self._walk(state, "state", False, arena, snap, used)
         except BaseException:
             self._release(arena)
             raise
-        for key in [k for k in arena.buffers if k not in used]:  # the state's structure changed
-            del arena.buffers[key]
+        for key in list(arena.buffers):  # the state's structure changed: drop what this snapshot did not use
+            n = used.get(key, 0)
+            if n:
+                del arena.buffers[key][n:]
+            else:
+                del arena.buffers[key]
         return snap
 
-    def _walk(self, value: Any, path: str, frozen: bool, arena: _Arena, snap: Snapshot, used: set[str]) -> Any:
+    def _walk(self, value: Any, path: str, frozen: bool, arena: _Arena, snap: Snapshot, used: dict[_Key, int]) -> Any:
         if isinstance(value, Immutable):
             return self._walk(value.value, path, True, arena, snap, used)
         if isinstance(value, torch.Tensor):
@@ -167,8 +177,7 @@ class SnapshotPool:
                         snap._events.append(ev)
                 return value.detach()
             snap.copied_bytes += nbytes
-            used.add(path)
-            return self._copy(value.detach(), path, arena, snap)
+            return self._copy(value.detach(), arena, snap, used)
         tp = type(value)
         if tp in _PLAIN:
             return value
@@ -190,15 +199,20 @@ class SnapshotPool:
             "use tensors, plain Python values (int, float, str, bool, None) and list/tuple/dict of them"
         )
 
-    def _copy(self, src: torch.Tensor, path: str, arena: _Arena, snap: Snapshot) -> torch.Tensor:
+    def _copy(self, src: torch.Tensor, arena: _Arena, snap: Snapshot, used: dict[_Key, int]) -> torch.Tensor:
         cuda = src.device.type == "cuda"
-        buf = arena.buffers.get(path)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+        key = (tuple(src.shape), src.dtype, cuda)
+        n = used.get(key, 0)
+        used[key] = n + 1
+        kind = arena.buffers.setdefault(key, [])
+        if n < len(kind):
+            buf = kind[n]
+        else:
             if cuda:
                 buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=True)
             else:
                 buf = aligned_empty(src.shape, src.dtype)  # page-aligned: written with O_DIRECT, no copy
-            arena.buffers[path] = buf
+            kind.append(buf)
         if cuda:
             main = torch.cuda.current_stream(src.device)
             side = self._side_stream(src.device)
