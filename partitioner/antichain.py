@@ -18,6 +18,13 @@ there. State ``k`` may precede state ``j`` in a pipeline iff ``downset(k) ⊊ do
 reachability in PipeDream's antichain DAG amounts to); the layers of a stage between them are
 ``downset(j) \\ downset(k)``.
 
+Model inputs (``Profile.inputs``) that a layer outside the downset still reads also cross the cut: their
+bytes are added to the output size (PipeDream's own profiles list none, so nothing changes for them).
+
+Tied parameters (``Profile.tied``): per state and group, the number of the group's layers in the downset and
+whether its first user (the layer whose ``parameter_bytes`` counts the parameter) is in it, from which the
+cost model tells whether a stage splits the group.
+
 Like PipeDream, source layers whose description starts with ``Input`` are taken out (their cost is not
 counted; they always belong to stage 0), and so are sink layers whose description starts with
 ``__getitem__`` (they join the stage of their last predecessor). If several sources remain, the search
@@ -27,7 +34,7 @@ starts from the antichain of all of them.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -58,10 +65,33 @@ class AntichainStates:
     """Profile indices of the ``Input`` sources taken out of the search (always stage 0)."""
     removed_sinks: tuple[int, ...]
     """Profile indices of the ``__getitem__`` sinks taken out (they follow their predecessors)."""
+    tied_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Bytes of each tied group's parameter (``G`` groups)."""
+    tied_sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Number of layers of each tied group."""
+    tied_counts: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
+    """``(G, S)``: layers of group ``g`` in the downset of state ``s``."""
+    tied_first: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=bool))
+    """``(G, S)``: whether the first user of group ``g`` is in the downset of state ``s``."""
+    crossing: tuple[tuple[int, ...], ...] = ()
+    """Each state's augmented antichain (ascending): the layers whose outputs are counted as crossing a cut
+    after it. It holds every layer of the downset that a later layer reads (and, as PipeDream counts it,
+    possibly a layer whose readers all lie in the downset too, when the cut runs through a diamond)."""
 
     @property
     def num_states(self) -> int:
         return len(self.antichains)
+
+    def longest_chain(self) -> int:
+        """The most stages any pipeline can have: the longest chain of states ending at the last one."""
+        if not self.num_states:
+            return 0
+        length = np.ones(self.num_states, dtype=np.int64)
+        for j in range(self.num_states):  # predecessors come first
+            ks = np.nonzero(self.precedes[:, j])[0]
+            if len(ks):
+                length[j] = 1 + int(length[ks].max())
+        return int(length[-1])
 
     def stage_layers(self, cuts: list[int], profile: Profile) -> list[list[int]]:
         """Profile layers of each stage for a chain of state indices ``cuts`` (the last state of each stage).
@@ -198,6 +228,21 @@ def linearize(profile: Profile) -> AntichainStates:
         params[i] = float(sum(par[idx].tolist()))
         acts[i] = float(sum(act[idx].tolist()))
         outs[i] = float(sum(act[aug_idx].tolist()))
+    gone_mask = sum(1 << g for g in gone)
+    for inp in profile.inputs:  # an input a later layer reads crosses the cut too
+        readers = sum(1 << r for r in inp.readers) & ~gone_mask
+        if inp.bytes and readers:
+            for i, rec in enumerate(records):
+                if readers & ~rec[2]:
+                    outs[i] += float(inp.bytes)
+    groups = list(profile.tied)
+    t_counts = np.zeros((len(groups), s), dtype=np.int64)
+    t_first = np.zeros((len(groups), s), dtype=bool)
+    for gi, g in enumerate(groups):
+        gmask = sum(1 << i for i in g.layers)
+        for i, rec in enumerate(records):
+            t_counts[gi, i] = bin(rec[2] & gmask).count("1")
+            t_first[gi, i] = bool((rec[2] >> g.layers[0]) & 1)
     sizes = member.sum(axis=1)
     # downset(k) ⊆ downset(j)  iff  |downset(k) \ downset(j)| == 0
     outside = member @ (1.0 - member).T
@@ -210,6 +255,11 @@ def linearize(profile: Profile) -> AntichainStates:
         activation_bytes=acts,
         output_bytes=outs,
         precedes=precedes,
+        crossing=tuple(tuple(r[4]) for r in records),
         removed_inputs=tuple(removed_inputs),
         removed_sinks=tuple(removed_sinks),
+        tied_bytes=np.array([float(g.bytes) for g in groups]),
+        tied_sizes=np.array([len(g.layers) for g in groups], dtype=np.int64),
+        tied_counts=t_counts,
+        tied_first=t_first,
     )

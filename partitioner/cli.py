@@ -71,6 +71,8 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"predicted time per minibatch: {plan.time_per_minibatch_s * 1e3:.3f} ms")
     lines.append(f"data parallel time per minibatch: {plan.data_parallel_time_s * 1e3:.3f} ms")
     lines.append(f"speedup over data parallelism: {plan.speedup_over_data_parallel:.3f}x")
+    if plan.recompute:
+        lines.append(f"value layers recomputed where needed (never sent): {len(plan.recompute)}")
     return "\n".join(lines)
 
 

@@ -35,6 +35,18 @@ minibatch is that of its slowest stage.
   where ``A`` is the sum of the stage's layers' ``activation_bytes``. Replication does not lower it (each
   replica holds the whole stage). Optimizer state and gradient buffers are not counted.
 
+* **tied parameters** (a parameter ``P_g`` shared by several layers, e.g. GPT-2's embedding and output head):
+  a stage that holds some but not all of a group's layers (so the group is split across stages) must add
+  its gradient to the other holders' before each update. It pays PipeDream's all-reduce formula with
+  ``r = 2`` holders on top of its compute::
+
+      C += 4 (2-1) P_g / (B 2) = 2 P_g / B          (per split group the stage holds)
+
+  (two holders whatever their real number, so the term depends on the stage alone and the dynamic program
+  stays exact). A holder that does not hold the group's first user (whose ``parameter_bytes`` counts the
+  parameter) keeps a copy of it: ``P += P_g`` for its weight all-reduce among replicas and its memory. On a
+  hierarchical machine the term is added at every level, with that level's bandwidth.
+
 All functions accept numpy arrays and broadcast.
 """
 
@@ -52,6 +64,7 @@ __all__ = [
     "stage_time",
     "data_parallel_time",
     "stage_memory",
+    "tied_sync_time",
 ]
 
 
@@ -102,3 +115,8 @@ def data_parallel_time(compute_s: float, parameter_bytes: float, workers: Sequen
 def stage_memory(parameter_bytes, activation_bytes, stages_from_end):
     """Bytes one worker of a stage needs: ``(S - s) · (P + A)``, ``stages_from_end = S - s``."""
     return stages_from_end * (parameter_bytes + activation_bytes)
+
+
+def tied_sync_time(parameter_bytes, bandwidth: float):
+    """``4 (r-1) P / (B r)`` with ``r = 2``: a stage's share of syncing a tied parameter split across stages."""
+    return allreduce_time(parameter_bytes, 2, bandwidth)

@@ -43,6 +43,7 @@ from profiler.profile import Profile
 
 from . import cost
 from .antichain import AntichainStates, linearize
+from .contract import contract, place_values
 from .plan import Plan, PlanError
 
 __all__ = ["partition", "LevelProblem", "LevelSolution", "flat_problem", "solve_level", "exhaustive_level", "stage_times"]
@@ -572,16 +573,67 @@ def _check_inputs(workers: Sequence[int], bandwidth: Sequence[float], memory_byt
             raise PlanError(f"memory_bytes must be a positive number of bytes, got {memory_bytes!r}")
 
 
+def _ranges(states: AntichainStates) -> tuple[np.ndarray, np.ndarray]:
+    """Compute seconds and parameter bytes of every range of states, ``(S+1, S)`` each.
+
+    Row 0 is the first stage ``(start, j]``, row ``k+1`` the stage ``(k, j]`` (``inf`` compute where ``k``
+    does not precede ``j``).
+    """
+    C, P = states.compute_s, states.parameter_bytes
+    prec = states.precedes
+    S = states.num_states
+    CM = np.full((S + 1, S), _INF)
+    CM[0] = C
+    CM[1:] = np.where(prec, C[None, :] - C[:, None], _INF)
+    PMx = np.zeros((S + 1, S))
+    PMx[0] = P
+    PMx[1:] = np.where(prec, P[None, :] - P[:, None], 0.0)
+    return CM, PMx
+
+
+def _tied_terms(states: AntichainStates, bandwidth: float) -> tuple[np.ndarray, np.ndarray] | None:
+    """Extra compute seconds and parameter bytes of every range (as :func:`_ranges`) from tied groups.
+
+    A range that splits a group pays its sync time at ``bandwidth``; a holder without the group's first user
+    gets a copy of the parameter (see :mod:`partitioner.cost`). None when the profile has no tied groups.
+    """
+    if len(states.tied_bytes) == 0:
+        return None
+    S = states.num_states
+    extra_c = np.zeros((S + 1, S))
+    extra_p = np.zeros((S + 1, S))
+    for g in range(len(states.tied_bytes)):
+        cnt = np.concatenate([[0], states.tied_counts[g]])  # row r: state r-1; row 0: before the start
+        first = np.concatenate([[False], states.tied_first[g]])
+        held = cnt[None, 1:] - cnt[:, None]  # layers of the group inside the range
+        split = (held > 0) & (held < states.tied_sizes[g])
+        copy = (held > 0) & ~(first[None, 1:] & ~first[:, None])
+        extra_c += np.where(split, cost.tied_sync_time(states.tied_bytes[g], bandwidth), 0.0)
+        extra_p += np.where(copy, states.tied_bytes[g], 0.0)
+    valid = np.ones((S + 1, S), dtype=bool)
+    valid[1:] = states.precedes
+    return np.where(valid, extra_c, 0.0), np.where(valid, extra_p, 0.0)
+
+
+def _with_tied(states: AntichainStates, bandwidth: float, CM: np.ndarray, PMx: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray]:
+    terms = _tied_terms(states, bandwidth)
+    if terms is None:
+        return CM, PMx
+    return CM + terms[0], PMx + terms[1]
+
+
 def flat_problem(states: AntichainStates, workers: int, bandwidth: float, straight: bool,
                   memory_bytes: float | None) -> LevelProblem:
-    C, P, A = states.compute_s, states.parameter_bytes, states.activation_bytes
+    """The single-level problem of ``states`` for ``workers`` workers at ``bandwidth`` bytes/s."""
+    CM, PMx = _with_tied(states, bandwidth, *_ranges(states))
+    A = states.activation_bytes
     prec = states.precedes
-    pair_c = np.where(prec, C[None, :] - C[:, None], _INF)
-    pair_p = np.where(prec, P[None, :] - P[:, None], 0.0)
-    prob = LevelProblem(C.copy(), P.copy(), pair_c, pair_p, states.output_bytes, workers, bandwidth, 1, straight)
+    prob = LevelProblem(CM[0].copy(), PMx[0].copy(), CM[1:], PMx[1:], states.output_bytes, workers, bandwidth, 1,
+                        straight)
     if memory_bytes is not None:
-        prob.first_memory = P + A
-        prob.pair_memory = np.where(prec, (P[None, :] - P[:, None]) + (A[None, :] - A[:, None]), 0.0)
+        prob.first_memory = PMx[0] + A
+        prob.pair_memory = np.where(prec, PMx[1:] + (A[None, :] - A[:, None]), 0.0)
         prob.memory_bytes = float(memory_bytes)
     return prob
 
@@ -589,7 +641,8 @@ def flat_problem(states: AntichainStates, workers: int, bandwidth: float, straig
 def _smallest_memory(states: AntichainStates, workers: int, bandwidth: float, straight: bool) -> float | None:
     """Least per-worker memory limit under which some plan exists (any time per minibatch)."""
     P, A = states.parameter_bytes, states.activation_bytes
-    lo, hi = 0, _bits(float(states.num_states) * float(P[-1] + A[-1]) + 1.0)
+    extra = float(np.sum(states.tied_bytes)) * states.num_states
+    lo, hi = 0, _bits(float(states.num_states) * float(P[-1] + A[-1]) + extra + 1.0)
     prob = flat_problem(states, workers, bandwidth, straight, _float(hi))
     if _Search(prob).feasible(_INF) is None:
         return None
@@ -603,20 +656,42 @@ def _smallest_memory(states: AntichainStates, workers: int, bandwidth: float, st
     return _float(hi)
 
 
-def partition(profile: Profile, workers: list[int], bandwidth: list[float], *, straight: bool = False,
-              memory_bytes: float | None = None) -> Plan:
+def _levels(values: int | float | Sequence[int | float], what: str) -> list:
+    """A one-level machine may be given as a scalar; numpy scalars become Python numbers."""
+    if isinstance(values, (int, float, np.integer, np.floating)) and not isinstance(values, bool):
+        values = [values]
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) and not isinstance(values, np.ndarray):
+        raise PlanError(f"{what}: expected a number or a list of numbers (one per level), got {values!r}")
+    out = []
+    for v in values:
+        if isinstance(v, np.integer):
+            v = int(v)
+        elif isinstance(v, np.floating):
+            v = float(v)
+        out.append(v)
+    return out
+
+
+def partition(profile: Profile, workers: int | Sequence[int], bandwidth: float | Sequence[float], *,
+              straight: bool = False, memory_bytes: float | None = None) -> Plan:
     """Plan ``profile`` for ``workers`` (workers per level, innermost first) at ``bandwidth`` bytes/s per level.
 
-    Returns the plan of least predicted time per minibatch (PipeDream's optimum). Raises :class:`PlanError`
-    for bad settings, when no plan exists (a straight pipeline longer than the model has cut points), or when
-    no plan fits ``memory_bytes`` per worker (the message gives the smallest limit that would).
+    A one-level machine may be given by scalars (``partition(profile, 4, 1e9)``). Returns the plan of least
+    predicted time per minibatch (PipeDream's optimum over the cuts of the profile's tensor layers: value
+    layers are no cut points, see :mod:`partitioner.contract`; they are listed in ``Plan.recompute`` and
+    placed with their earliest consumer). Raises :class:`PlanError` for bad settings, when no plan exists (a
+    straight pipeline longer than the model has cut points), or when no plan fits ``memory_bytes`` per worker
+    (the message gives the smallest limit that would).
     """
-    workers = [int(n) if isinstance(n, (np.integer,)) else n for n in workers]
-    bandwidth = [float(b) if isinstance(b, (int, np.floating)) and not isinstance(b, bool) else b for b in bandwidth]
+    workers = _levels(workers, "workers")
+    bandwidth = [float(b) if isinstance(b, int) and not isinstance(b, bool) else b
+                 for b in _levels(bandwidth, "bandwidth")]
     _check_inputs(workers, bandwidth, memory_bytes)
     if memory_bytes is not None and len(workers) > 1:
         raise PlanError("a memory limit is supported for single-level machines only (one --workers)")
-    states = linearize(profile)
+    con = contract(profile)
+    search_profile = con.profile
+    states = linearize(search_profile)
     total = int(np.prod(workers))
     settings = {"workers": list(workers), "bandwidth": list(bandwidth), "straight": bool(straight),
                 "memory_bytes": memory_bytes}
@@ -626,31 +701,29 @@ def partition(profile: Profile, workers: list[int], bandwidth: list[float], *, s
         if straight and total > 1:
             raise PlanError(f"a straight pipeline of {total} stages needs {total} cut points; the model has none")
         return Plan.from_stages([list(range(len(names)))], [total], profile_hash=profile.structure_hash(),
-                                layer_names=names, stage_times_s=[0.0], settings=settings)
+                                layer_names=names, stage_times_s=[0.0], settings=settings,
+                                recompute=con.value_layers)
     dp_time = cost.data_parallel_time(states.compute_s[-1], states.parameter_bytes[-1], workers, bandwidth)
 
-    # inner levels
-    C, P = states.compute_s, states.parameter_bytes
+    # inner levels: each level's range time is the best time one level in (at the innermost, the compute),
+    # plus that level's tied-group sync term
     prec = states.precedes
-    CM = np.full((S + 1, S), _INF)
-    CM[0] = C
-    CM[1:] = np.where(prec, C[None, :] - C[:, None], _INF)
-    PMx = np.zeros((S + 1, S))
-    PMx[0] = P
-    PMx[1:] = np.where(prec, P[None, :] - P[:, None], 0.0)
+    CM, PMx = _ranges(states)
     choices = []
     within = 1
     for n, b in zip(workers[:-1], bandwidth[:-1]):
-        V, ch = _inner_level(states, CM, PMx, n, b, within, straight)
+        CMb, PMb = _with_tied(states, b, CM, PMx)
+        V, ch = _inner_level(states, CMb, PMb, n, b, within, straight)
         choices.append(ch)
         CM = np.where(np.isfinite(V), V, _INF)
         within = n
     if len(workers) == 1:
         prob = flat_problem(states, workers[0], bandwidth[0], straight, memory_bytes)
     else:
-        prob = LevelProblem(CM[0].copy(), P.copy(), np.where(prec, CM[1:], _INF),
-                            np.where(prec, P[None, :] - P[:, None], 0.0), states.output_bytes,
-                            workers[-1], bandwidth[-1], within, straight)
+        CMb, PMb = _with_tied(states, bandwidth[-1], CM, PMx)
+        prob = LevelProblem(CMb[0].copy(), PMb[0].copy(), np.where(prec, CMb[1:], _INF),
+                            np.where(prec, PMb[1:], 0.0), states.output_bytes, workers[-1], bandwidth[-1], within,
+                            straight)
     lower = 0.0
     if len(workers) == 1:  # Σ C_s / Σ r_s <= max C_s / r_s <= the optimum
         lower = float(states.compute_s[-1]) / workers[0]
@@ -664,7 +737,8 @@ def partition(profile: Profile, workers: list[int], bandwidth: list[float], *, s
                     f"the smallest plan needs {need:.6g} bytes per worker"
                 )
         if straight:
-            raise PlanError(f"no straight pipeline of {total} stages exists: the model has {S} cut points")
+            raise PlanError(f"no straight pipeline of {total} stages exists: the model's layers allow at most "
+                            f"{states.longest_chain()} stages in a row")
         raise PlanError("no plan exists for these settings")
 
     # expand the outer plan through the inner levels
@@ -682,7 +756,14 @@ def partition(profile: Profile, workers: list[int], bandwidth: list[float], *, s
         ranges = nxt
         per_level.append(len(ranges))
     cuts = [j for _, j, _, _ in ranges]
-    stage_layers = states.stage_layers(cuts, profile)
+    stage_of: list[int | None] = [None] * len(names)
+    for s, layers in enumerate(states.stage_layers(cuts, search_profile)):
+        for i in layers:
+            stage_of[con.tensor_layers[i]] = s
+    stage_of_all = place_values(profile, stage_of, len(cuts))
+    stage_layers: list[list[int]] = [[] for _ in cuts]
+    for i, s in enumerate(stage_of_all):
+        stage_layers[s].append(i)
     settings["stages_per_level"] = per_level[::-1]
     return Plan.from_stages(
         stage_layers,
@@ -693,4 +774,5 @@ def partition(profile: Profile, workers: list[int], bandwidth: list[float], *, s
         time_per_minibatch_s=sol.time_s,
         data_parallel_time_s=dp_time,
         settings=settings,
+        recompute=con.value_layers,
     )

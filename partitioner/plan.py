@@ -18,12 +18,19 @@ JSON format (``"format": "pipedream-ft-plan"``, ``"version": 1``)::
       "time_per_minibatch_s": 0.0123,
       "data_parallel_time_s": 0.0201,
       "speedup_over_data_parallel": 1.63,
-      "settings": {"workers": [4], "bandwidth": [1e9], "straight": false, "memory_bytes": null}
+      "settings": {"workers": [4], "bandwidth": [1e9], "straight": false, "memory_bytes": null},
+      "recompute": [3, 4, 7]
     }
 
 ``time_s`` of a stage is its predicted time per minibatch (compute divided among its replicas, plus their
 weight all-reduce); ``time_per_minibatch_s`` is the pipeline's, i.e. that of its slowest stage or link.
 Ranks are given to stages in order, each stage a contiguous block.
+
+``recompute`` (optional, default empty) lists the *value* layers (``Layer.kind == "value"``: shape arithmetic
+and other outputs holding no tensor). They are never sent between stages: a stage that needs one recomputes
+it, and its value-layer ancestors, from its tensor roots, which the plan has made available in that stage.
+Each is still listed in one stage (that of its earliest consumer, or the last stage), so that every layer
+belongs to exactly one stage.
 """
 
 from __future__ import annotations
@@ -77,10 +84,19 @@ class Plan:
     time_per_minibatch_s: float = 0.0
     data_parallel_time_s: float = 0.0
     settings: dict[str, Any] = field(default_factory=dict)
+    recompute: tuple[int, ...] = ()
+    """Value layers (indices, ascending): recomputed by any stage that needs them, never sent."""
 
     def __post_init__(self) -> None:
         if not self.stages:
             raise PlanError("plan has no stages")
+        if list(self.recompute) != sorted(set(self.recompute)) or not all(
+            isinstance(i, int) and 0 <= i < len(self.layer_names) for i in self.recompute
+        ):
+            raise PlanError(
+                f"recompute must list distinct layer indices in 0..{len(self.layer_names) - 1}, ascending; "
+                f"got {list(self.recompute)[:8]}"
+            )
         seen: dict[int, int] = {}
         for s in self.stages:
             for layer in s.layers:
@@ -160,6 +176,7 @@ class Plan:
         time_per_minibatch_s: float = 0.0,
         data_parallel_time_s: float = 0.0,
         settings: dict[str, Any] | None = None,
+        recompute: Sequence[int] = (),
     ) -> Plan:
         """Assign contiguous rank blocks to stages in order and build the plan."""
         if len(stage_layers) != len(replicas):
@@ -178,6 +195,7 @@ class Plan:
             float(time_per_minibatch_s),
             float(data_parallel_time_s),
             dict(settings or {}),
+            tuple(sorted(int(i) for i in recompute)),
         )
 
     # -- JSON -----------------------------------------------------------------------------------------------
@@ -200,6 +218,7 @@ class Plan:
             "data_parallel_time_s": self.data_parallel_time_s,
             "speedup_over_data_parallel": self.speedup_over_data_parallel,
             "settings": self.settings,
+            "recompute": list(self.recompute),
         }
 
     def dumps(self) -> str:
@@ -231,11 +250,18 @@ class Plan:
                 float(data.get("time_per_minibatch_s", 0.0)),
                 float(data.get("data_parallel_time_s", 0.0)),
                 dict(data.get("settings", {})),
+                _indices(data.get("recompute", []), "recompute"),
             )
         except KeyError as exc:
             raise PlanError(f"{source}: missing field {exc.args[0]!r}") from None
         except (TypeError, ValueError) as exc:
             raise PlanError(f"{source}: {exc}") from None
+
+
+def _indices(raw: Any, key: str) -> tuple[int, ...]:
+    if not isinstance(raw, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in raw):
+        raise PlanError(f"field {key!r} must be a list of layer indices, got {raw!r}")
+    return tuple(raw)
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -69,3 +69,42 @@ def test_random_dag_states_are_downsets(seed):
 def test_pipedream_profiles_state_counts():
     assert linearize(load_profile(PROFILES_DIR / "vgg16.graph.txt")).num_states == 40
     assert linearize(load_profile(PROFILES_DIR / "resnet18.graph.txt")).num_states == 100
+
+
+def test_inputs_read_late_cross_the_cuts_before_their_readers():
+    from profiler.profile import ModelInput
+
+    layers = tuple(Layer(str(i), "L", 1.0, 1.0, 10.0, 0.0) for i in range(3))
+    p = Profile(layers, ((0, 1), (1, 2)), {}, (), (ModelInput("x", 7.0, (0, 2)), ModelInput("y", 5.0, (0,))))
+    st = linearize(p)
+    assert st.downsets == ((0,), (0, 1), (0, 1, 2))
+    assert list(st.output_bytes) == [10.0 + 7.0, 10.0 + 7.0, 10.0]  # x until layer 2 has it; y never crosses
+    assert st.crossing == ((0,), (1,), (2,))
+
+
+def test_tied_counts_per_state():
+    from profiler.profile import TiedGroup
+
+    p = Profile(_chain(4).layers, _chain(4).edges, {}, (TiedGroup("w", 8.0, (1, 3)),))
+    st = linearize(p)
+    assert st.tied_bytes.tolist() == [8.0] and st.tied_sizes.tolist() == [2]
+    assert st.tied_counts.tolist() == [[0, 1, 1, 2]]
+    assert st.tied_first.tolist() == [[False, True, True, True]]
+
+
+def test_crossing_holds_every_layer_read_after_the_cut():
+    for seed in range(30):
+        rng = random.Random(400 + seed)
+        p = random_profile(rng, rng.randint(2, 8), dag=True)
+        st = linearize(p)
+        succ = p.successors()
+        for down, cross in zip(st.downsets, st.crossing):
+            real = {i for i in down if any(c not in down for c in succ[i])}
+            assert real <= set(cross) <= set(down)
+
+
+def test_longest_chain():
+    assert linearize(_chain(5)).longest_chain() == 5
+    # a diamond: {0}, {0,1} or {0,2}, {0,1,2}, {0,1,2,3}
+    layers = tuple(Layer(str(i), "L", 1.0, 1.0, 1.0, 0.0) for i in range(4))
+    assert linearize(Profile(layers, ((0, 1), (0, 2), (1, 3), (2, 3)))).longest_chain() == 4

@@ -136,3 +136,21 @@ def test_subprocess_error_exit_status(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("pipedream-partition: error: ")
     assert "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+def test_gpt_profile_with_value_layers(tmp_path, capsys):
+    import torch
+
+    from examples.gpt import gpt
+    from profiler.measure import profile_model
+
+    torch.manual_seed(0)
+    prof = tmp_path / "gpt.json"
+    profile = profile_model(gpt(n_layer=2, n_embd=32, n_head=2), torch.randint(0, 256, (2, 8)), warmup=0, repeats=1)
+    profile.save(prof)
+    out = tmp_path / "plan.json"
+    assert main([str(prof), "-n", "4", "-b", "1e9", "--straight", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    plan = load_plan(out)
+    assert plan.recompute and plan.recompute == tuple(i for i, l in enumerate(profile.layers) if l.kind == "value")
+    assert f"value layers recomputed where needed (never sent): {len(plan.recompute)}" in text

@@ -63,3 +63,33 @@ def test_load_plan_errors(tmp_path):
     bad.write_text("{}")
     with pytest.raises(PlanError, match="not a pipedream-ft plan"):
         load_plan(bad)
+
+
+def _value_plan() -> Plan:
+    layers = (Layer("x", "Linear", 1.0, 2.0, 1e5, 1e6), Layer("n", "size", 0.0, 0.0, 0.0, 0.0, kind="value"),
+              Layer("v", ".view", 0.5, 0.5, 1e5, 0.0), Layer("y", "Linear", 1.0, 2.0, 1e5, 1e6))
+    profile = Profile(layers, ((0, 1), (0, 2), (1, 2), (2, 3)))
+    return partition(profile, 2, 1e9, straight=True)
+
+
+def test_recompute_round_trip(tmp_path):
+    plan = _value_plan()
+    assert plan.recompute == (1,)
+    assert json.loads(plan.dumps())["recompute"] == [1]
+    plan.save(tmp_path / "plan.json")
+    assert load_plan(tmp_path / "plan.json") == plan
+
+
+def test_recompute_defaults_to_empty(tmp_path):
+    data = json.loads(_plan().dumps())
+    del data["recompute"]
+    assert Plan.from_json(data).recompute == ()
+
+
+@pytest.mark.parametrize("bad", [[9], [1, 1], [2, 1], [-1], ["1"], 3])
+def test_bad_recompute(bad):
+    data = json.loads(_value_plan().dumps())
+    data["recompute"] = bad
+    with pytest.raises(PlanError, match="recompute") as info:
+        Plan.from_json(data, source="p.json")
+    assert str(info.value).startswith("p.json")
