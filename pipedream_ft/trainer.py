@@ -21,7 +21,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -46,8 +46,9 @@ from .pipeline.group import CommGroup
 from .pipeline.hooks import HookList, Hooks
 from .pipeline.modes import MODES, Mode, make_mode
 from .pipeline.schedule import Action
-from .pipeline.stage import build_stage, model_layers
+from .pipeline.stage import build_stage, executed_layers, model_layers
 from .pipeline.state import StageState
+from .pipeline.tied import TiedParameters, find_tied, tie_declared
 from .pipeline.topology import Topology
 
 __all__ = ["MODES", "PipelineConfig", "RankStats", "TrainResult", "PipelineTrainer"]
@@ -127,7 +128,9 @@ class PipelineTrainer:
     for it; only this rank's layers are kept. ``optimizer_factory(params)`` builds the stage's optimizer (it is
     not called for a stage without parameters). ``profile`` (the model's profile) lets a job whose world size
     changed re-plan; with checkpointing it is also stored beside the checkpoints, so later attempts can re-plan
-    without it. The trainer builds its own process groups (it does not need ``torch.distributed``'s default
+    without it. A parameter used by layers of several stages (tied embeddings) is kept equal on all of them
+    (see :mod:`pipedream_ft.pipeline.tied`); ``tied_parameters`` also ties groups of distinct parameters by
+    name (e.g. ``[["wte.weight", "lm_head.weight"]]``). The trainer builds its own process groups (it does not need ``torch.distributed``'s default
     group); :meth:`close` releases them.
     """
 
@@ -143,6 +146,7 @@ class PipelineTrainer:
         checkpoint: CheckpointConfig | None = None,
         extra_state: dict[str, Any] | None = None,
         profile: Profile | None = None,
+        tied_parameters: Sequence[Sequence[str]] = (),
     ) -> None:
         self.config = config = config or PipelineConfig()
         self.timeline: dict[str, float] = {"start": time.time()}
@@ -151,6 +155,8 @@ class PipelineTrainer:
         self.backend, self.device = _backend_and_device(env, config.backend)
         if not isinstance(model, nn.Module):
             model = model()
+        if tied_parameters:
+            tie_declared(model, tied_parameters)
         ml = model_layers(model)
         model_hash = None
         if config.check_model_hash:
@@ -170,9 +176,15 @@ class PipelineTrainer:
         self.mode: Mode = make_mode(config.mode, config.flush_every)
         self.mode.check(topo)
         module = build_stage(ml, plan, topo.stage).to(self.device)
+        specs = find_tied(ml, executed_layers(ml, plan.layer_to_stage, plan.num_stages, plan.recompute))
+        tied = None
+        if any(topo.stage in spec.stages for spec in specs):
+            objects = dict(ml.root.named_parameters(remove_duplicate=False))
+            tied = TiedParameters(specs, objects, module, topo, self.mode, optimizer_factory)
+        self.tied_specs = specs
         del ml, model
         self.state = StageState(module, optimizer_factory, stage=topo.stage, replica=topo.replica,
-                                keep=self.mode.versions_kept(topo), extra=extra_state)
+                                keep=self.mode.versions_kept(topo), extra=extra_state, tied=tied)
         self.loss_fn = loss_fn
         # every check above is local and the same on every rank; only now talk to the others
         self.coordinator = Coordinator(env, config.timeout_s)
@@ -183,6 +195,8 @@ class PipelineTrainer:
         self._add_observers()
         self.group = self._join()
         self.messenger = Messenger(self.group, config.timeout_s)
+        if self.state.tied:
+            self.state.tied.messenger = self.messenger
         self.executor = Executor(topo, self.state, self.mode, self.messenger, loss_fn=loss_fn, seed=config.seed,
                                  hooks=self.hooks)
         self.ckpt: Checkpointer | None = None
@@ -228,7 +242,8 @@ class PipelineTrainer:
         epoch = self.coordinator.new_epoch()
         group = CommGroup(epoch.store, rank=self.env.rank, world_size=self.env.world_size, backend=self.backend,
                           device=self.device, timeout_s=self.config.timeout_s,
-                          links=topo.links() if self.backend == "nccl" else (),
+                          links=(topo.links() + (self.state.tied.links() if self.state.tied else []))
+                          if self.backend == "nccl" else (),
                           replica_ranks=topo.stage_ranks if len(topo.stage_ranks) > 1 else None)
         self.timeline["joined"] = time.time()
         log.info("rank %d/%d joined (%s, restart %d)", self.env.rank, self.env.world_size, self.backend,
@@ -356,6 +371,8 @@ class PipelineTrainer:
                     ex.update(action.index)
                 if self.ckpt is not None:
                     self.ckpt.announce_preemption()
+            if self.state.tied:
+                self.state.tied.drain(stop // self.mode.update_unit(self.topo))
             self.hooks.on_event("draining")
             self.messenger.flush()
         finally:

@@ -32,61 +32,103 @@ def weight_stashing_reference(
     vertical: bool = False,
     seed: int = 0,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Final weights (original keys) and per-minibatch losses of PipeDream's semantics."""
+    """Final weights (original keys) and per-minibatch losses of PipeDream's semantics.
+
+    A parameter used by several stages (tied) is one parameter with its own optimizer; every holder reads it
+    at the version its first holder's stage would read its own weights, and its update ``b`` applies the sum
+    of the holders' gradients, added in stage order."""
     S = plan.num_stages
     stages = [build_stage(model_layers(model), plan, s) for s in range(S)]
-    opts = [optimizer_factory(list(st.parameters())) for st in stages]
+    _, tied = _split_tied(stages)
+    opts = [optimizer_factory(own) if own else None for own in _split_tied(stages)[0]]
+    tied_opts = [optimizer_factory([p]) for p, _ in tied]
 
     def version(b: int, s: int) -> int:
         return max(0, b - (S - 1)) if vertical else max(0, b - (S - 1 - s))
 
-    losses = _train_segment(stages, opts, 0, steps, version, data, loss_fn, seed)
+    losses = _train_segment(stages, opts, 0, steps, version, data, loss_fn, seed, tied_opts)
     state: dict[str, torch.Tensor] = {}
     for st in stages:
         state.update({k: v.detach().clone() for k, v in st.state_dict().items()})
     return state, losses
 
 
+def _split_tied(stages: list[nn.Module]) -> tuple[list[list[nn.Parameter]], list[tuple[nn.Parameter, list[int]]]]:
+    """Each stage's own parameters, and the tied ones with their holder stages."""
+    holders: dict[int, list[int]] = {}
+    objects: dict[int, nn.Parameter] = {}
+    for s, st in enumerate(stages):
+        for p in st.parameters():
+            holders.setdefault(id(p), []).append(s)
+            objects[id(p)] = p
+    own = [[p for p in st.parameters() if len(holders[id(p)]) == 1] for st in stages]
+    tied = [(objects[i], h) for i, h in holders.items() if len(h) > 1]
+    return own, tied
+
+
 def _train_segment(
     stages: list[nn.Module],
-    opts: list[torch.optim.Optimizer],
+    opts: list[torch.optim.Optimizer | None],
     start: int,
     stop: int,
     version: Callable[[int, int], int],
     data: Callable[[int], tuple[Any, Any]],
     loss_fn: Callable[[Any, Any], torch.Tensor],
     seed: int,
+    tied_opts: list[torch.optim.Optimizer] | None = None,
 ) -> list[float]:
     """Minibatches ``start .. stop-1`` one at a time through ``stages``: stage s's forward and backward of b use
     its weights after ``version(b, s)`` updates, then every stage applies update b. Returns the losses."""
     S = len(stages)
-    names = [[n for n, _ in st.named_parameters()] for st in stages]
-    live = [list(st.parameters()) for st in stages]
-    versions: list[dict[int, list[torch.Tensor]]] = [{start: [p.detach().clone() for p in lv]} for lv in live]
+    own, tied = _split_tied(stages)
+    tied_ids = {id(p) for p, _ in tied}
+    names = [[n for n, p in st.named_parameters() if id(p) not in tied_ids] for st in stages]
+    tied_names = [{s: next(n for n, q in stages[s].named_parameters() if q is p) for s in h} for p, h in tied]
+    versions: list[dict[int, list[torch.Tensor]]] = [{start: [p.detach().clone() for p in lv]} for lv in own]
+    tversions: list[dict[int, torch.Tensor]] = [{start: p.detach().clone()} for p, _ in tied]
     losses = []
     for b in range(start, stop):
         x: Any = data(b)[0]
         xs = list(x) if isinstance(x, (list, tuple)) else [x]
         used = []
+        tied_used: list[dict[int, torch.Tensor]] = [{} for _ in tied]
         for s, st in enumerate(stages):
             params = [t.clone().requires_grad_(True) for t in versions[s][version(b, s)]]
             used.append(params)
+            given = dict(zip(names[s], params))
+            for t, (p, h) in enumerate(tied):
+                if s in h:
+                    leaf = tversions[t][version(b, h[0])].clone().requires_grad_(True)
+                    tied_used[t][s] = leaf
+                    given[tied_names[t][s]] = leaf
             saved = torch.default_generator.get_state()
             torch.default_generator.manual_seed(_mix(seed, s, b))
-            out = functional_call(st, dict(zip(names[s], params)), tuple(xs))
+            out = functional_call(st, given, tuple(xs))
             torch.default_generator.set_state(saved)
             xs = list(out) if s < S - 1 else [out]
         loss = loss_fn(xs[0], data(b)[1])
         losses.append(float(loss.detach()))
-        grads = torch.autograd.grad(loss, [t for ps in used for t in ps], allow_unused=True)
-        k = 0
+        leaves = [t for ps in used for t in ps] + [leaf for d in tied_used for leaf in d.values()]
+        grads = dict(zip(map(id, leaves), torch.autograd.grad(loss, leaves, allow_unused=True)))
         for s in range(S):
-            for p in live[s]:
-                p.grad = None if grads[k] is None else grads[k].detach()
-                k += 1
-            opts[s].step()
-            opts[s].zero_grad(set_to_none=True)
-            versions[s][b + 1] = [p.detach().clone() for p in live[s]]
+            for p, t in zip(own[s], used[s]):
+                g = grads[id(t)]
+                p.grad = None if g is None else g.detach()
+            if opts[s] is not None:
+                opts[s].step()
+                opts[s].zero_grad(set_to_none=True)
+            versions[s][b + 1] = [p.detach().clone() for p in own[s]]
+        for t, (p, h) in enumerate(tied):
+            total = None
+            for s in h:  # stage order, as the runtime adds them
+                g = grads[id(tied_used[t][s])]
+                g = torch.zeros_like(p) if g is None else g.detach()
+                total = g.clone() if total is None else total.add_(g)
+            p.grad = total
+            assert tied_opts is not None
+            tied_opts[t].step()
+            tied_opts[t].zero_grad(set_to_none=True)
+            tversions[t][b + 1] = p.detach().clone()
     return losses
 
 

@@ -148,3 +148,109 @@ def stuck_peer_case(stuck_rank: int) -> None:
         time.sleep(15)
         raise SystemExit(0)
     trainer.train(data, 12)
+
+
+# -- a small GPT with tied embeddings and shape arithmetic (value layers) ------------------------------------
+
+GPT_SIZE = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+
+def tiny_gpt() -> nn.Module:
+    from examples.gpt import gpt
+
+    torch.manual_seed(0)
+    return gpt(**GPT_SIZE)
+
+
+def lm_data(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + b)
+    ids = torch.randint(0, GPT_SIZE["vocab_size"], (4, GPT_SIZE["block_size"] + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def gpt_plan(workers: int, straight: bool = True) -> dict:
+    """The partitioner's plan for :func:`tiny_gpt` (profiled once, in the calling process), as JSON."""
+    from partitioner.optimizer import partition
+    from profiler.measure import profile_model
+
+    model = tiny_gpt()
+    profile = profile_model(model, lm_data(0)[0], warmup=0, repeats=1)
+    return partition(profile, workers, 1e9, straight=straight).to_json()
+
+
+def gpt_case(plan_json: dict, steps: int, mode: str = "stash", opt: str = "adam", flush_every: int = 4,
+             ckpt: str | None = None, stop_at: int | None = None) -> dict[str, Any]:
+    from pipedream_ft import CheckpointConfig, EveryNSteps, PipelineConfig, PipelineTrainer
+
+    plan = Plan.from_json(plan_json)
+    trainer = PipelineTrainer(tiny_gpt(), plan, loss_fn=lm_loss, optimizer_factory=OPTIMIZERS[opt],
+                              config=PipelineConfig(mode=mode, flush_every=flush_every, timeout_s=60, summary=False),
+                              checkpoint=CheckpointConfig(url=ckpt, policy=EveryNSteps(4)) if ckpt else None)
+    target = stop_at if stop_at is not None else steps
+    result = trainer.train(lm_data, target - trainer.position)
+    if trainer.ckpt is not None:
+        trainer.ckpt.writer.flush(timeout=60)
+    state = trainer.full_state_dict()
+    trainer.close()
+    return {"state": state, "losses": result.losses, "resumed": trainer.resumed_from}
+
+
+def preflight_case(model: nn.Module, plan_json: dict, example: torch.Tensor) -> bool:
+    """Only the pre-flight of ``model`` under ``plan`` (raises what it raises)."""
+    from pipedream_ft import PipelineConfig, PipelineTrainer
+
+    trainer = PipelineTrainer(model, Plan.from_json(plan_json), loss_fn=lambda out, y: out.float().mean(),
+                              optimizer_factory=sgd, config=PipelineConfig(timeout_s=60, summary=False))
+    trainer.preflight(lambda b: (example, None))
+    trainer.close()
+    return True
+
+
+class PoolNet(nn.Module):
+    """A CNN whose middle (ReLU + max-pooling) has no parameters: a stage of its own in the tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.act = nn.ReLU()
+        self.pool = nn.MaxPool2d(2)
+        self.head = nn.Linear(4 * 4 * 4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(self.pool(self.act(self.conv(x))), 1))
+
+
+def image_data(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3000 + b)
+    return torch.randn(6, 1, 8, 8, generator=g), torch.randint(0, 5, (6,), generator=g)
+
+
+def paramless_case(url: str, total: int, stop_at: int | None) -> dict[str, Any]:
+    """PoolNet on 3 stages, the middle one without parameters, checkpointing every 4 minibatches."""
+    from pipedream_ft import CheckpointConfig, EveryNSteps, PipelineConfig, PipelineTrainer
+
+    model = PoolNet()
+    plan = plan_for(model, [[0], [1, 2], [3, 4]])
+    trainer = PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=adam,
+                              config=PipelineConfig(timeout_s=60, summary=False),
+                              checkpoint=CheckpointConfig(url=url, policy=EveryNSteps(4)))
+    result = trainer.train(image_data, (stop_at or total) - trainer.position)
+    trainer.ckpt.writer.flush(timeout=60)
+    out = {"state": trainer.full_state_dict(), "losses": result.losses, "resumed": trainer.resumed_from,
+           "optimizer": trainer.optimizer is not None}
+    trainer.close()
+    return out
+
+
+def tied_mismatch_case() -> None:
+    from pipedream_ft import PipelineConfig, PipelineTrainer
+
+    model = mlp()
+    plan = plan_for(model, [[0, 1, 2, 3], [4, 5, 6, 7, 8]])
+    PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=sgd,
+                    config=PipelineConfig(timeout_s=30), tied_parameters=[["0.weight", "8.weight"]])

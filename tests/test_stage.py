@@ -3,7 +3,9 @@ import torch
 from torch import nn
 
 from partitioner.plan import PlanError
-from pipedream_ft.pipeline.stage import boundaries, build_stage, model_layers
+from partitioner.plan import Plan
+from pipedream_ft.pipeline.stage import boundaries, build_stage, executed_layers, model_layers
+from pipedream_ft.pipeline.tied import find_tied
 from runtime_cases import SkipNet, mlp, plan_for
 from examples.models import digits_resnet
 
@@ -58,9 +60,40 @@ def test_plan_for_another_model_is_refused():
         build_stage(other, plan, 0)
 
 
-def test_shared_parameter_across_stages_is_refused():
+def test_a_parameter_used_by_two_stages_is_held_by_both():
     lin = nn.Linear(4, 4)
     m = nn.Sequential(lin, nn.Tanh(), lin)
     plan = plan_for(m, [[0, 1], [2]])
-    with pytest.raises(PlanError, match="shared by stages"):
-        build_stage(m, plan, 0)
+    first, last = build_stage(m, plan, 0), build_stage(m, plan, 1)
+    assert first.get_parameter("0.weight") is last.get_parameter("2.weight") is lin.weight
+    ml = model_layers(m)
+    specs = find_tied(ml, executed_layers(ml, plan.layer_to_stage, 2))
+    assert sorted((t.name, t.stages, t.shape) for t in specs) == [("0.bias", (0, 1), (4,)),
+                                                                  ("0.weight", (0, 1), (4, 4))]
+
+
+def test_value_layers_are_recomputed_where_needed_and_never_cross():
+    class ShapeNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(6, 6)
+            self.b = nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            n = x.size(0)
+            h = torch.tanh(self.a(x))
+            return self.b(h).view(n, 2, 3).sum(-1)
+
+    m = ShapeNet()
+    ml = model_layers(m)
+    names = ml.names
+    values = [names.index("size")]
+    to_stage = [0 if i <= names.index("tanh") else 1 for i in range(len(names))]
+    plan = plan_for(m, [[i for i, s in enumerate(to_stage) if s == k] for k in (0, 1)])
+    plan = Plan.from_json({**plan.to_json(), "recompute": values})
+    run = executed_layers(ml, plan.layer_to_stage, 2, plan.recompute)
+    assert names.index("size") in run[1]  # the stage that views by it recomputes the shape
+    crossing = boundaries(ml, plan.layer_to_stage, 2, plan.recompute)
+    assert crossing[1] == ["x", "tanh"]  # its tensor root (the input) crosses; the int does not
+    x = torch.randn(4, 6)
+    torch.testing.assert_close(run_stages(m, plan, x), m(x), rtol=0, atol=0)

@@ -13,6 +13,7 @@ peer instead of hanging. With gloo each message gets its own tag; NCCL ignores t
 
 from __future__ import annotations
 
+import pickle
 import re
 import time
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ HEADER_LEN = 8 + 16 * 11
 MAX_TENSORS = 16
 MAX_DIMS = 8
 _MAGIC = 0x5044  # "PD"
+_OBJECT = -3
+"""Pseudo minibatch number of object messages (the pre-flight uses -1 for its activations)."""
 
 _DTYPES: list[torch.dtype] = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -193,6 +196,31 @@ class Messenger:
         for i, t in enumerate(tensors):
             self._isend(t.detach().contiguous(), peer, _tag(header.minibatch, i + 1),
                         f"activation of minibatch {header.minibatch}", "act")
+
+    def send_object(self, peer: int, obj: Any) -> None:
+        """Send a small picklable object on the activation channel (the pre-flight's structure message)."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
+        self._isend(size, peer, _tag(_OBJECT, 0), "object size", "act")
+        self._isend(payload, peer, _tag(_OBJECT, 1), "object", "act")
+
+    def recv_object(self, peer: int) -> Any:
+        """Receive what :meth:`send_object` sent from ``peer`` (blocking, with the timeout)."""
+        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._wait(self.group.irecv(size, peer, _tag(_OBJECT, 0), "act"), "object size", peer)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self._wait(self.group.irecv(payload, peer, _tag(_OBJECT, 1), "act"), "object", peer)
+        return pickle.loads(payload.cpu().numpy().tobytes())
+
+    def send_tensor(self, peer: int, minibatch: int, slot: int, tensor: torch.Tensor, channel: str) -> None:
+        """Send one tensor whose shape the receiver knows (e.g. a tied parameter's gradient) in message ``slot``."""
+        self._isend(tensor.detach().contiguous(), peer, _tag(minibatch, slot), f"{channel} tensor of update {minibatch}",
+                    channel)
+
+    def recv_tensor(self, peer: int, minibatch: int, slot: int, buf: torch.Tensor, channel: str) -> Any:
+        """Post the receive of what :meth:`send_tensor` sends into ``buf``; wait for the returned work with
+        :meth:`wait`."""
+        return self.group.irecv(buf, peer, _tag(minibatch, slot), channel)
 
     def send_gradients(self, peer: int, minibatch: int, tensors: Sequence[torch.Tensor]) -> None:
         for i, t in enumerate(tensors):

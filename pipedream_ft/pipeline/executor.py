@@ -26,9 +26,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch.func import functional_call
+from torch.utils._pytree import tree_leaves
 
 from ..errors import PipelineSetupError
-from .comm import Header, Messenger, RecvHandle, ShapeMismatchError, TensorSpec
+from .comm import Header, Messenger, RecvHandle, TensorSpec
+from .crossing import Structure
 from .hooks import Hooks
 from .modes import Mode
 from .state import StageState
@@ -70,6 +72,7 @@ class RankStats:
 @dataclass(slots=True)
 class _InFlight:
     version: Version
+    tied: list[Version]
     inputs: list[torch.Tensor]
     outputs: list[torch.Tensor]
     loss: torch.Tensor | None
@@ -81,6 +84,14 @@ def mix_seed(seed: int, stage: int, minibatch: int) -> int:
     """The RNG seed of ``minibatch``'s forward on ``stage``: reproducible across restarts."""
     x = (seed * 1_000_003 + stage) * 1_000_000_007 + minibatch
     return x % (2**63 - 1)
+
+
+def _holds_tensor(value: Any) -> bool:
+    return any(isinstance(x, torch.Tensor) for x in tree_leaves(value))
+
+
+def _tensors(values: Any) -> list[torch.Tensor]:
+    return [x for x in tree_leaves(values) if isinstance(x, torch.Tensor)]
 
 
 def _ranges(idx: Sequence[int]) -> str:
@@ -119,6 +130,10 @@ class Executor:
         self.cuts: dict[int, int] = {}
         """Cuts announced to this rank and not yet reached: cut -> flags."""
         self.preflight_done = False
+        self._in_structure: Structure | None = None
+        """Structure of the values this stage receives (learned at the pre-flight)."""
+        self._out_structure: Structure | None = None
+        """Structure of the values this stage sends (fixed at the pre-flight, checked at every send)."""
         self._inflight: dict[int, _InFlight] = {}
         self._act_recv: dict[int, RecvHandle] = {}
         self._generator = torch.cuda.default_generators[self.device.index or 0] if self.device.type == "cuda" \
@@ -147,14 +162,16 @@ class Executor:
     def preflight(self, data: DataFn) -> None:
         """Push one minibatch forward through every stage (no gradients, eval mode) before training.
 
-        Every link learns its tensor shapes, and a stage that cannot take what the previous one sends — or a
-        mismatch between the data and the model — stops every rank with one message naming it. A collective.
+        Every link learns its tensor shapes and the structure of the values crossing it, and a stage that
+        cannot take what the previous one sends — or a mismatch between the data and the model — stops every
+        rank with one message naming it. A collective.
         """
         topo, module = self.topo, self.state.module
         error: str | None = None
         failed_upstream = False
         was_training = module.training
         outs: list[torch.Tensor] = []
+        structure: Structure | None = None
         inputs: list[Any] | None = None
         try:
             module.eval()
@@ -163,11 +180,14 @@ class Executor:
             else:
                 received = []
                 for peer in topo.peers(topo.stage - 1):
+                    upstream = self.messenger.recv_object(peer)
                     header, tensors = self.messenger.post_activations(peer, -1).wait()
                     assert header is not None
-                    if header.flags & FAILED:
+                    if header.flags & FAILED or upstream is None:
                         failed_upstream = True
-                    received.append(tensors)
+                    else:
+                        self._in_structure = upstream
+                        received.append(upstream.join(tensors))
                 inputs = received[0] if received else []
             if not failed_upstream:
                 with torch.no_grad():
@@ -177,22 +197,26 @@ class Executor:
                     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
                         raise PipelineSetupError(f"loss_fn must return a scalar tensor, got {loss!r:.80}")
                 else:
-                    outs = list(out)
-                    bad = [n for n, t in zip(module.output_names, outs) if not isinstance(t, torch.Tensor)]
+                    values = list(out)
+                    bad = [n for n, v in zip(module.output_names, values) if not _holds_tensor(v)]
                     if bad:
-                        raise PipelineSetupError(f"only tensors can cross stages; {bad} are not tensors")
+                        raise PipelineSetupError(
+                            f"values holding no tensor cannot cross stages: {bad}; the plan should have them "
+                            "recomputed (plan the model again with this version's pipedream-partition)")
+                    structure, outs = Structure.split(values)
         except Exception as exc:  # any failure here is reported collectively below
             what = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            shapes = ", ".join(str(TensorSpec.of(t)) for t in inputs if isinstance(t, torch.Tensor)) \
-                if inputs is not None else "?"
+            shapes = ", ".join(str(TensorSpec.of(t)) for t in _tensors(inputs)) if inputs is not None else "?"
             error = (f"stage {topo.stage} (rank {topo.rank}, layers {_ranges(topo.layers)}) "
                      f"cannot run on its input [{shapes}]: {what}")
         finally:
             module.train(was_training)
         if not topo.is_last:
-            flags = FAILED if (error or failed_upstream) else 0
+            failed = bool(error or failed_upstream)
+            self._out_structure = None if failed else structure
             for peer in topo.peers(topo.stage + 1):
-                self.messenger.send_activations(peer, Header(-1, 0, flags), [] if flags else outs)
+                self.messenger.send_object(peer, self._out_structure)
+                self.messenger.send_activations(peer, Header(-1, 0, FAILED if failed else 0), [] if failed else outs)
             self.messenger.flush()
         problems = [e for e in self.group.all_gather_object(error) if e]
         if problems:
@@ -214,6 +238,7 @@ class Executor:
 
     def forward(self, b: int, data: DataFn) -> None:
         topo, state = self.topo, self.state
+        leaves: list[torch.Tensor] = []
         if topo.is_first:
             inputs = self._model_inputs(data(b)[0])
             flags = self.decide(b) if self.decide is not None else 0
@@ -224,16 +249,21 @@ class Executor:
         else:
             self.post_activation_recv(b)
             handle = self._act_recv.pop(b)
-            header, inputs = handle.wait()  # type: ignore[assignment]
+            header, leaves = handle.wait()
             self._waited(handle, "activation")
-            assert header is not None
-            inputs = [t.requires_grad_() if t.is_floating_point() else t for t in inputs]
+            assert header is not None and self._in_structure is not None
+            leaves = [t.requires_grad_() if t.is_floating_point() else t for t in leaves]
+            inputs = self._in_structure.join(leaves)
             if header.flags & CUT:
                 self.cuts[b + 1] = header.flags
         t0 = time.perf_counter()
         w0 = time.time()
         version = self.mode.version_for(topo, state.versions, b, header.tag)
         params = dict(zip(state.param_names, version.tensors))
+        tied_versions: list[Version] = []
+        if state.tied:
+            tied_params, tied_versions = state.tied.tensors_for(b)
+            params.update(tied_params)
         gen = self._generator
         saved = gen.get_state()
         gen.manual_seed(mix_seed(self.seed, topo.stage, b))  # this forward's RNG, reproducible
@@ -251,15 +281,15 @@ class Executor:
             if scale != 1.0:
                 loss = loss * scale
         else:
-            outputs = list(out)
-            for name, t in zip(state.module.output_names, outputs):
-                if not isinstance(t, torch.Tensor):
-                    raise ShapeMismatchError(f"only tensors can cross stages; {name} is {type(t).__name__}")
+            structure, outputs = Structure.split(list(out))
+            assert self._out_structure is not None
+            if structure != self._out_structure:
+                self._out_structure.check(structure, state.module.output_names, b)
             peer = topo.peer(topo.stage + 1, b)
             self.messenger.send_activations(peer, header, outputs)
             specs = [TensorSpec.of(t) for t in outputs if t.is_floating_point()]
             grad_recv = self.messenger.post_gradients(peer, b, specs)
-        self._inflight[b] = _InFlight(version, list(inputs), outputs, loss, grad_recv, header)
+        self._inflight[b] = _InFlight(version, tied_versions, leaves, outputs, loss, grad_recv, header)
         self.stats.forward_s += time.perf_counter() - t0
         self.hooks.on_forward(b, w0, time.time())
         self._note_stash()
@@ -280,13 +310,18 @@ class Executor:
         t0 = time.perf_counter()
         w0 = time.time()
         wrt_params = [t for t in rec.version.tensors if t.requires_grad]
+        targets = state.live_params
+        if state.tied:
+            live = [(g.param, v.tensors[0]) for g, v in zip(state.tied.groups, rec.tied) if g.param.requires_grad]
+            wrt_params += [t for _, t in live]
+            targets = targets + [p for p, _ in live]
         wrt_inputs = [t for t in rec.inputs if t.is_floating_point() and t.requires_grad] if not topo.is_first else []
         wrt = wrt_params + wrt_inputs
         if roots and wrt:
             got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
         else:
             got = (None,) * len(wrt)
-        for p, g in zip(state.live_params, got[: len(wrt_params)]):
+        for p, g in zip(targets, got[: len(wrt_params)]):
             if g is None:
                 continue
             if p.grad is None:
@@ -304,7 +339,7 @@ class Executor:
         topo, state = self.topo, self.state
         t0 = time.perf_counter()
         w0 = time.time()
-        live = state.live_params
+        live = state.all_live_params
         round_end = (round_ + 1) * self.mode.update_unit(topo)
         flags = self.cuts.get(round_end, 0)
         if self.group.replica is not None:
@@ -328,6 +363,10 @@ class Executor:
             state.optimizer.step()
             state.optimizer.zero_grad(set_to_none=True)
         state.versions.publish()
+        if state.tied:
+            state.tied.on_update(round_)
+            if flags:  # every holder's tied state at a cut is the same: apply every tied update before it
+                state.tied.drain(round_ + 1)
         self.stats.update_s += time.perf_counter() - t0
         self.hooks.on_update(round_, round_end, w0, time.time())
         if flags and self.on_cut is not None:

@@ -14,7 +14,7 @@ The stage module mirrors the original module tree (only the kept layers are graf
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from torch.fx.node import map_aggregate
 from partitioner.plan import Plan, PlanError
 from profiler.layers import layer_graph, sequential_children
 
-__all__ = ["ModelLayers", "StageModule", "model_layers", "build_stage", "boundaries"]
+__all__ = ["ModelLayers", "StageModule", "model_layers", "build_stage", "boundaries", "executed_layers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,25 +91,65 @@ def model_layers(model: nn.Module) -> ModelLayers:
     return ModelLayers(gm, inputs, layers, output)
 
 
-def boundaries(ml: ModelLayers, layer_to_stage: Sequence[int], num_stages: int) -> list[list[str]]:
+def executed_layers(ml: ModelLayers, layer_to_stage: Sequence[int], num_stages: int,
+                    recompute: Iterable[int] = ()) -> list[list[int]]:
+    """The layers each stage runs, in model order: its own layers, except the *value* layers (``recompute``:
+    shape arithmetic and other outputs that hold no tensor), which instead run in every stage that needs them.
+
+    A stage needs a value layer if one of the layers it runs reads it (directly or through other value layers),
+    or, for the last stage, if the model's output does. Value layers are never sent between stages: each stage
+    recomputes the ones it needs from their tensor roots, which cross stage boundaries like any tensor.
+    """
+    values = set(recompute)
+    index = {layer.name: i for i, layer in enumerate(ml.layers)}
+    out_refs: list[str] = []
+    map_aggregate(ml.output, lambda a: out_refs.append(a.name) if isinstance(a, _Ref) else None)
+    result = []
+    for s in range(num_stages):
+        run = {i for i, st in enumerate(layer_to_stage) if st == s and i not in values}
+        todo = [r for i in run for r in ml.layers[i].refs()]
+        if s == num_stages - 1:
+            todo += out_refs
+        while todo:
+            i = index.get(todo.pop())
+            if i is not None and i in values and i not in run:
+                run.add(i)
+                todo += ml.layers[i].refs()
+        result.append(sorted(run))
+    return result
+
+
+def boundaries(ml: ModelLayers, layer_to_stage: Sequence[int], num_stages: int,
+               recompute: Iterable[int] = ()) -> list[list[str]]:
     """Names of the values crossing into each stage: ``result[s]`` is what stage ``s`` receives.
 
     ``result[0]`` is the model inputs stage 0 reads; ``result[num_stages]`` is the model's output values.
-    Raises :class:`PlanError` if a layer reads a value produced by a later stage.
+    A value produced before stage ``s`` (or a model input) that stage ``s`` or a later one reads crosses into
+    ``s`` (and is passed on). Value layers (``recompute``) never cross; their tensor roots do, to every stage
+    that recomputes them (see :func:`executed_layers`). Raises :class:`PlanError` if a layer reads a value
+    produced by a later stage.
     """
+    values = set(recompute)
     producer: dict[str, int] = {name: -1 for name in ml.inputs}
-    for layer, stage in zip(ml.layers, layer_to_stage):
-        producer[layer.name] = stage
+    for i, (layer, stage) in enumerate(zip(ml.layers, layer_to_stage)):
+        if i not in values:
+            producer[layer.name] = stage
     last_use: dict[str, int] = {}
-    for layer, stage in zip(ml.layers, layer_to_stage):
-        for ref in layer.refs():
-            if producer[ref] > stage:
-                raise PlanError(f"layer {layer.name} (stage {stage}) reads {ref}, which stage {producer[ref]} computes")
-            last_use[ref] = max(last_use.get(ref, -1), stage)
+    for s, run in enumerate(executed_layers(ml, layer_to_stage, num_stages, values)):
+        local = {ml.layers[i].name for i in run}
+        for i in run:
+            layer = ml.layers[i]
+            for ref in layer.refs():
+                if ref in local:
+                    continue
+                if producer[ref] > s:
+                    raise PlanError(f"layer {layer.name} (stage {s}) reads {ref}, which stage {producer[ref]} computes")
+                last_use[ref] = max(last_use.get(ref, -1), s)
     outs: list[str] = []
     map_aggregate(ml.output, lambda a: outs.append(a.name) if isinstance(a, _Ref) else None)
     for ref in outs:
-        last_use[ref] = num_stages
+        if ref in producer:
+            last_use[ref] = num_stages
     order = {name: i for i, name in enumerate(ml.inputs + ml.names)}
     result = []
     for s in range(num_stages + 1):
@@ -197,8 +237,8 @@ def _get_path(root: nn.Module, path: str) -> Any:
 def build_stage(model: nn.Module | ModelLayers, plan: Plan, stage: int) -> StageModule:
     """The module of stage ``stage`` of ``plan``, holding only that stage's layers.
 
-    Raises :class:`PlanError` if the plan's layers are not the model's, or a parameter is shared between
-    layers of different stages.
+    Raises :class:`PlanError` if the plan's layers are not the model's. A parameter that layers of several
+    stages use is grafted into each of them (see :mod:`pipedream_ft.pipeline.tied`).
     """
     ml = model if isinstance(model, ModelLayers) else model_layers(model)
     if ml.names != list(plan.layer_names):
@@ -209,22 +249,8 @@ def build_stage(model: nn.Module | ModelLayers, plan: Plan, stage: int) -> Stage
         )
     if not 0 <= stage < plan.num_stages:
         raise PlanError(f"stage {stage} is out of range for a plan of {plan.num_stages} stages")
-    _check_no_shared_parameters(ml, plan)
-    crossing = boundaries(ml, plan.layer_to_stage, plan.num_stages)
-    return StageModule(ml, plan.stages[stage].layers, crossing[stage], crossing[stage + 1],
-                       stage == plan.num_stages - 1)
+    recompute = plan.recompute
+    crossing = boundaries(ml, plan.layer_to_stage, plan.num_stages, recompute)
+    run = executed_layers(ml, plan.layer_to_stage, plan.num_stages, recompute)[stage]
+    return StageModule(ml, run, crossing[stage], crossing[stage + 1], stage == plan.num_stages - 1)
 
-
-def _check_no_shared_parameters(ml: ModelLayers, plan: Plan) -> None:
-    owner: dict[int, tuple[int, str]] = {}
-    for idx, stage in enumerate(plan.layer_to_stage):
-        layer = ml.layers[idx]
-        if layer.op != "module":
-            continue
-        for pname, p in ml.root.get_submodule(layer.target).named_parameters():
-            seen = owner.setdefault(id(p), (stage, f"{layer.target}.{pname}"))
-            if seen[0] != stage:
-                raise PlanError(
-                    f"parameter {seen[1]} is shared by stages {seen[0]} and {stage}; put the layers sharing "
-                    "it into one stage"
-                )

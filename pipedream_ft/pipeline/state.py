@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import PipelineSetupError
+from .tied import TiedParameters
 from .versions import Version, VersionStore
 
 __all__ = ["StageState", "merge_parts"]
@@ -37,15 +38,20 @@ class StageState:
     """
 
     def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, *, stage: int, replica: int,
-                 keep: int, extra: dict[str, Any] | None = None) -> None:
+                 keep: int, extra: dict[str, Any] | None = None, tied: TiedParameters | None = None) -> None:
         self.module = module
         self.stage = stage
         self.replica = replica
         self.keep = keep
-        self.params: list[nn.Parameter] = [p for p in module.parameters()]
-        self.param_names: list[str] = [n for n, _ in module.named_parameters()]
+        self.tied = tied
+        """The parameters this stage shares with other stages (see :mod:`pipedream_ft.pipeline.tied`)."""
+        shared = tied.ids if tied is not None else set()
+        self.all_params: list[nn.Parameter] = list(module.parameters())
+        self.params: list[nn.Parameter] = [p for p in self.all_params if id(p) not in shared]
+        """The stage's own parameters (not tied), in optimizer order."""
+        self.param_names: list[str] = [n for n, p in module.named_parameters() if id(p) not in shared]
         self.optimizer: torch.optim.Optimizer | None = optimizer_factory(self.params) if self.params else None
-        """``None`` for a stage without parameters (the factory is never called with nothing)."""
+        """``None`` for a stage without parameters of its own (the factory is never called with nothing)."""
         self.versions = VersionStore(self.params, keep=keep)
         self.position = 0
         """Minibatches trained so far (the data position)."""
@@ -57,8 +63,13 @@ class StageState:
 
     @property
     def live_params(self) -> list[nn.Parameter]:
-        """The parameters that train (``requires_grad``), in optimizer order."""
+        """The stage's own parameters that train (``requires_grad``), in optimizer order."""
         return [p for p in self.params if p.requires_grad]
+
+    @property
+    def all_live_params(self) -> list[nn.Parameter]:
+        """Every parameter that trains here, tied ones included (what the replicas all-reduce)."""
+        return [p for p in self.all_params if p.requires_grad]
 
     # -- checkpoint parts ---------------------------------------------------------------------------------------
 
@@ -76,6 +87,7 @@ class StageState:
             "versions": versions,
             "rng": torch.get_rng_state(),
             "extra": {name: obj.state_dict() for name, obj in self.extra.items()},
+            "tied": self.tied.capture() if self.tied else {},
         }
         device = self.params[0].device if self.params else torch.device("cpu")
         if device.type == "cuda":
@@ -98,6 +110,8 @@ class StageState:
             self.versions.add(Version(int(u), tuple(t.to(device).requires_grad_(p.requires_grad)
                                                     for t, p in zip(tensors, self.params))))
         self.position = int(state["position"])
+        if self.tied:
+            self.tied.restore(state.get("tied", {}))
         torch.set_rng_state(state["rng"])
         if "cuda_rng" in state and device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"], device)
@@ -114,6 +128,10 @@ class StageState:
         start = -(-cut // window) * window
         self.versions = VersionStore(self.params, updates=start // updates_per_round, keep=self.keep)
         self.versions.floor = self.versions.current.updates
+        if self.tied:
+            for g in self.tied.groups:
+                g.optimizer.load_state_dict(_single_param_state(parts, g.spec.name, g.optimizer))
+            self.tied.reset(self.versions.current.updates)
         self.position = start
         torch.set_rng_state(parts[0]["rng"])
         self._load_extra(parts)
@@ -128,39 +146,54 @@ class StageState:
             obj.load_state_dict(source)
 
 
+def _per_param_states(parts: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every parameter's optimizer state in the old parts, by name, and the hyper-parameters of a group."""
+    states: dict[str, Any] = {}
+    hyper: dict[str, Any] = {}
+    for part in parts:
+        optim, names = part.get("optimizer"), part.get("param_names")
+        if optim is not None and names is not None and optim["param_groups"]:
+            for index, entry in optim["state"].items():
+                states[names[int(index)]] = entry
+            hyper = hyper or {k: v for k, v in optim["param_groups"][0].items() if k != "params"}
+        for name, tied in part.get("tied", {}).items():
+            optim = tied["optimizer"]
+            for entry in optim["state"].values():
+                states[name] = entry
+            hyper = hyper or {k: v for k, v in optim["param_groups"][0].items() if k != "params"}
+    return states, hyper
+
+
+def _single_param_state(parts: Sequence[dict[str, Any]], name: str, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    states, _ = _per_param_states(parts)
+    group = {k: v for k, v in optimizer.state_dict()["param_groups"][0].items()}
+    group["params"] = [0]
+    return {"state": {0: states[name]} if name in states else {}, "param_groups": [group]}
+
+
 def merge_parts(parts: Sequence[dict[str, Any]], param_names: Sequence[str], state_keys: Sequence[str]
                 ) -> dict[str, Any]:
     """Gather one new stage's weights and optimizer state from the old stages' checkpoint parts.
 
-    ``param_names``: the new stage's parameters in optimizer order; ``state_keys``: its ``state_dict`` keys.
-    Raises :class:`PipelineSetupError` naming what is missing.
+    ``param_names``: the new stage's own parameters in optimizer order; ``state_keys``: its ``state_dict``
+    keys. Optimizer state is found by parameter name, whether the old stage held the parameter as its own or as
+    a tied one. Raises :class:`PipelineSetupError` naming what is missing.
     """
     model: dict[str, Any] = {}
-    opt_state: dict[str, Any] = {}
-    groups: list[dict[str, Any]] | None = None
     for part in parts:
         model.update(part["model"])
-        names = part.get("param_names")
-        if names is None:
+        if part.get("param_names") is None:
             raise PipelineSetupError("the checkpoint predates layer-addressable parts (no param_names); "
                                      "it can only be resumed with its own plan")
-        optim = part["optimizer"]
-        if optim is None:  # a stage without parameters
-            continue
-        if len(optim["param_groups"]) != 1:
+        optim = part.get("optimizer")
+        if optim is not None and len(optim["param_groups"]) != 1:
             raise PipelineSetupError(
                 f"re-planning needs a single optimizer parameter group, the checkpoint has {len(optim['param_groups'])}"
             )
-        for index, entry in optim["state"].items():
-            opt_state[names[int(index)]] = entry
-        if groups is None:
-            groups = [{k: v for k, v in optim["param_groups"][0].items() if k != "params"}]
     missing = [k for k in state_keys if k not in model]
     if missing:
         raise PipelineSetupError(f"the checkpoint lacks {len(missing)} tensors of this stage, e.g. {missing[:3]}")
-    if groups is None:  # no old stage had parameters
-        groups = [{}]
-    groups[0]["params"] = list(range(len(param_names)))
-    state = {i: opt_state[n] for i, n in enumerate(param_names) if n in opt_state}
+    states, hyper = _per_param_states(parts)
+    groups = [dict(hyper, params=list(range(len(param_names))))]
+    state = {i: states[n] for i, n in enumerate(param_names) if n in states}
     return {"model": {k: model[k] for k in state_keys}, "optimizer": {"state": state, "param_groups": groups}}
-

@@ -1,0 +1,69 @@
+"""What crosses a stage boundary: the values a stage passes on, flattened into tensors.
+
+A value crossing a boundary is whatever a layer returned: a tensor, or a tuple, list or dict whose leaves are
+tensors and constants (``None``, numbers — an HF block returning ``(hidden, None)``, a ``split`` returning a
+tuple of tensors). It crosses as its tensor leaves, in order. Its :class:`Structure` — the containers and the
+constant leaves — is sent to the next stage once, during the pre-flight, and every later send is checked
+against it, so a structure or constant that changes between minibatches stops the run with a clear message
+instead of being silently misread. (Values holding no tensor at all never cross: the stages recompute them,
+see :func:`~pipedream_ft.pipeline.stage.executed_layers`.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from .comm import ShapeMismatchError
+
+__all__ = ["Structure"]
+
+
+@dataclass(frozen=True)
+class Structure:
+    """The shape of a list of crossing values, without their tensors."""
+
+    spec: TreeSpec
+    constants: tuple[tuple[int, Any], ...]
+    """``(leaf index, value)`` of every leaf that is not a tensor."""
+    plain: bool
+    """Every value is a single tensor (the common case: nothing to rebuild)."""
+
+    @staticmethod
+    def split(values: Sequence[Any]) -> tuple[Structure, list[torch.Tensor]]:
+        """The structure of ``values`` and their tensor leaves, in order."""
+        if all(isinstance(v, torch.Tensor) for v in values):
+            _, spec = tree_flatten(list(values))
+            return Structure(spec, (), True), list(values)
+        leaves, spec = tree_flatten(list(values))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        constants = tuple((i, x) for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor))
+        return Structure(spec, constants, False), tensors
+
+    def join(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
+        """The values, rebuilt from their tensor leaves."""
+        if self.plain:
+            return list(tensors)
+        leaves: list[Any] = []
+        it = iter(tensors)
+        consts = dict(self.constants)
+        for i in range(self.spec.num_leaves):
+            leaves.append(consts[i] if i in consts else next(it))
+        return list(tree_unflatten(leaves, self.spec))
+
+    def check(self, other: Structure, names: Sequence[str], minibatch: int) -> None:
+        """Raise :class:`ShapeMismatchError` if ``other`` (this minibatch's) differs from this (the pre-flight's)."""
+        if other.spec != self.spec or other.constants != self.constants:
+            raise ShapeMismatchError(
+                f"the values crossing to the next stage ({', '.join(names)}) changed structure at minibatch "
+                f"{minibatch}: {_describe(other)} instead of {_describe(self)} at the pre-flight; the layers "
+                "must return the same containers and constants for every minibatch"
+            )
+
+
+def _describe(s: Structure) -> str:
+    consts = ", ".join(f"leaf {i} = {v!r}" for i, v in s.constants[:4])
+    return f"{s.spec.num_leaves} leaves" + (f" ({consts})" if consts else "")

@@ -1,0 +1,128 @@
+"""The runtime on the models people train: transformer LMs with shape arithmetic and tied embeddings.
+
+* Plans only send tensors: for random fx models with branches, tuple-returning calls and shape arithmetic, every
+  plan the partitioner emits runs stage by stage with exactly what the runtime hands over (value layers
+  recomputed), output and gradients equal to the undivided model's — and passes the real, distributed pre-flight.
+* A nanoGPT-style model (fx-traced, tied token embedding and head) trains on 4 real processes exactly as the
+  single-process references say, in every mode: weight stashing and vertical sync (tied parameter read at its
+  first holder's version), flushing (= gradient accumulation of the plain model), and resumes bitwise.
+* A stage without parameters trains, checkpoints and resumes like any other.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dist_helpers import run_world
+from partitioner import PlanError, partition
+from partitioner.plan import Plan
+from pipedream_ft.pipeline.check import check_plan
+from pipedream_reference import minibatch_sgd_reference, weight_stashing_reference
+from profiler.measure import profile_model
+from random_models import random_models
+from runtime_cases import (OPTIMIZERS, gpt_case, gpt_plan, lm_data, lm_loss, paramless_case, preflight_case,
+                           tied_mismatch_case, tiny_gpt)
+
+pytestmark = [pytest.mark.timeout(600)]
+
+
+def _plan_or_none(model, example, workers, straight):
+    torch.manual_seed(0)
+    profile = profile_model(model, example, warmup=0, repeats=1)
+    try:
+        return partition(profile, workers, 1e9, straight=straight)
+    except PlanError as exc:  # a straight pipeline longer than the model has cut points
+        assert straight and "straight" in str(exc)
+        return None
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_models(), st.integers(2, 6), st.booleans())
+def test_every_plan_of_a_random_fx_model_runs_stage_by_stage(model_and_input, workers, straight):
+    model, example = model_and_input
+    plan = _plan_or_none(model, example, workers, straight)
+    if plan is not None:
+        check_plan(model, plan, [example])
+
+
+@pytest.mark.slow
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_models(), st.integers(2, 3))
+def test_plans_of_random_fx_models_pass_the_distributed_preflight(model_and_input, workers):
+    model, example = model_and_input
+    plan = _plan_or_none(model, example, workers, False)
+    if plan is not None:
+        out = run_world(preflight_case, plan.world_size, model, plan.to_json(), example, timeout=180)
+        assert all(ok and result for ok, result in out.values())
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4])
+def test_gpt_plans_run_stage_by_stage(workers):
+    plan = Plan.from_json(gpt_plan(workers))
+    assert plan.recompute  # the traced GPT computes shapes: those are recomputed, not sent
+    check_plan(tiny_gpt(), plan, [lm_data(0)[0]])
+
+
+def _assert_close(got, want, atol):
+    assert sorted(got) == sorted(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=atol, msg=k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["stash", "vertical"])
+def test_gpt_with_tied_embeddings_matches_pipedream_semantics(mode):
+    plan_json = gpt_plan(4)
+    out = run_world(gpt_case, 4, plan_json, 12, mode, "sgd", timeout=300)
+    want, losses = weight_stashing_reference(tiny_gpt(), Plan.from_json(plan_json), lm_data, lm_loss,
+                                             OPTIMIZERS["sgd"], 12, vertical=mode == "vertical")
+    for rank in range(4):
+        got = out[rank][1]
+        _assert_close(got["state"], want, 1e-6)
+        assert got["losses"] == pytest.approx(losses, abs=1e-6)
+        assert torch.equal(got["state"]["wte.weight"], got["state"]["lm_head.weight"])  # the copies agree
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opt, atol", [("sgd", 1e-6), ("adam", 1e-4)])
+def test_gpt_flush_mode_is_gradient_accumulation_of_the_plain_model(opt, atol):
+    out = run_world(gpt_case, 4, gpt_plan(4), 12, "flush", opt, 4, timeout=300)
+    want, losses = minibatch_sgd_reference(tiny_gpt(), lm_data, lm_loss, OPTIMIZERS[opt], 12, 4)
+    _assert_close(out[0][1]["state"], want, atol)
+    assert out[0][1]["losses"] == pytest.approx(losses, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_gpt_resumes_bitwise_with_tied_embeddings(tmp_path):
+    plan_json = gpt_plan(4)
+    url = str(tmp_path / "ckpt")
+    run_world(gpt_case, 4, plan_json, 16, "stash", "adam", 4, url, 8, timeout=300)
+    resumed = run_world(gpt_case, 4, plan_json, 16, "stash", "adam", 4, url, timeout=300)[0][1]
+    straight = run_world(gpt_case, 4, plan_json, 16, "stash", "adam", timeout=300)[0][1]
+    assert resumed["resumed"] == 8
+    for k, v in straight["state"].items():
+        assert torch.equal(resumed["state"][k], v), k
+
+
+@pytest.mark.slow
+def test_a_stage_without_parameters_trains_checkpoints_and_resumes(tmp_path):
+    url = str(tmp_path / "ckpt")
+    first = run_world(paramless_case, 3, url, 12, 8, timeout=180)
+    assert first[1][1]["optimizer"] is False and first[0][1]["optimizer"] is True
+    resumed = run_world(paramless_case, 3, url, 12, None, timeout=180)[0][1]
+    straight = run_world(paramless_case, 3, str(tmp_path / "other"), 12, None, timeout=180)[0][1]
+    assert resumed["resumed"] == 8
+    for k, v in straight["state"].items():
+        assert torch.equal(resumed["state"][k], v), k
+
+
+@pytest.mark.slow
+def test_tied_parameters_of_different_shapes_are_refused_with_one_message():
+    out = run_world(tied_mismatch_case, 2, expect_failure=True, timeout=90)
+    messages = {out[r][1][1] for r in range(2)}
+    assert len(messages) == 1
+    message = messages.pop()
+    assert "0.weight" in message and "8.weight" in message and "differ in shape" in message
