@@ -628,12 +628,13 @@ def _tied_terms(states: AntichainStates, bandwidth: float) -> tuple[np.ndarray, 
     return np.where(valid, extra_c, 0.0), np.where(valid, extra_p, 0.0)
 
 
-def _with_tied(states: AntichainStates, bandwidth: float, CM: np.ndarray, PMx: np.ndarray
+def _with_tied(states: AntichainStates, bandwidth: float, CM: np.ndarray, PMx: np.ndarray, *, sync: bool = True
                ) -> tuple[np.ndarray, np.ndarray]:
+    """``CM``/``PMx`` plus the tied-group copies and, with ``sync``, the sync time at ``bandwidth``."""
     terms = _tied_terms(states, bandwidth)
     if terms is None:
         return CM, PMx
-    return CM + terms[0], PMx + terms[1]
+    return (CM + terms[0] if sync else CM), PMx + terms[1]
 
 
 def flat_problem(states: AntichainStates, workers: int, bandwidth: float, straight: bool,
@@ -722,13 +723,13 @@ def partition(profile: Profile, workers: int | Sequence[int], bandwidth: float |
     if len(workers) == 1:
         prob = flat_problem(states, workers[0], bandwidth[0], straight, memory_bytes)
     else:
-        # inner levels: a range's time is its best time one level in (innermost: its compute), plus that
-        # level's tied-group sync term
+        # inner levels: a range's time is its best time one level in (innermost: its compute); tied groups
+        # add their parameter copies at every level and their sync time at the outermost only
         prec = states.precedes
         CM, PMx = _ranges(states)
         within = 1
         for n, b in zip(workers[:-1], bandwidth[:-1]):
-            CMb, PMb = _with_tied(states, b, CM, PMx)
+            CMb, PMb = _with_tied(states, b, CM, PMx, sync=False)
             V, ch = _inner_level(states, CMb, PMb, n, b, within, straight)
             choices.append(ch)
             CM = np.where(np.isfinite(V), V, _INF)
