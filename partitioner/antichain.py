@@ -123,6 +123,10 @@ class AntichainStates:
 
 
 def _bits(mask: int) -> list[int]:
+    """Positions of the set bits of ``mask``, ascending."""
+    if mask.bit_count() > 16:  # many bits: unpack them with numpy
+        raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), dtype=np.uint8)
+        return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
     out = []
     while mask:
         low = mask & -mask

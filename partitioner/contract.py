@@ -10,7 +10,12 @@ from a value layer ``p`` is replaced by edges ``r -> c`` from each tensor root `
 cross a cut of the contracted profile are then exactly the tensor layers that really cross (including the
 roots a later stage needs to recompute its values). Model inputs reached through value layers become
 readers of those inputs, so an input a later stage needs is counted too. Tied groups are renumbered (a
-value layer cannot hold a parameter; any listed one is dropped).
+value layer cannot hold a parameter; any listed one is dropped). The value layers' own times are not counted
+(shape arithmetic takes microseconds, and a stage recomputes only what it reads).
+
+Not counted: a value layer that nothing but the model's output reads is recomputed in the last stage from
+roots the search does not route there (the profile does not say which sinks feed the output; models return
+tensors). A tensor layer that feeds only the output is a sink, so every cut after it counts it.
 
 :func:`place_values` gives each value layer the stage of its earliest consumer (the last stage if nothing
 reads it), which keeps every edge going forward; the runtime recomputes value layers wherever they are

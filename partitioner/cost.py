@@ -45,7 +45,9 @@ minibatch is that of its slowest stage.
   (two holders whatever their real number, so the term depends on the stage alone and the dynamic program
   stays exact). A holder that does not hold the group's first user (whose ``parameter_bytes`` counts the
   parameter) keeps a copy of it: ``P += P_g`` for its weight all-reduce among replicas and its memory. On a
-  hierarchical machine the term is added at every level, with that level's bandwidth.
+  hierarchical machine the copies count at every level, the sync time at the outermost level only (its
+  stages, its bandwidth: a split there is what crosses the slowest links; a group split only inside one
+  outer stage is not charged, which keeps each level's program exact).
 
 All functions accept numpy arrays and broadcast.
 """

@@ -133,6 +133,12 @@ class _Search:
         self.P0 = np.where(self.valid0, prob.first_params, 0.0)
         self.D0 = 4.0 * self.P0 / (bw * prob.within)
         self.t01 = np.where(self.valid0, self.first_time(1), _INF)
+        # per-probe replica counts come from T r^2 - (C + D) r + D >= 0 and r >= 2 X / (B T): keep what is fixed
+        with np.errstate(invalid="ignore", over="ignore"):
+            b = self.C + self.D
+            self._pair_root = (b, b * b, self.D, 2.0 * self.X / bw, np.ones(len(b), bool))
+            b0 = self.C0 + self.D0
+            self._first_root = (b0, b0 * b0, self.D0, None, self.valid0)
         if prob.pair_memory is not None:
             lim = float(prob.memory_bytes)
             self.dmax = self._depth_limit(np.asarray(prob.pair_memory, float)[kk, jj], lim)
@@ -159,29 +165,36 @@ class _Search:
 
     # allowed replica counts ---------------------------------------------------------------------------
 
-    def _rho(self, T: float, C, D, X, valid, time_fn) -> np.ndarray:
+    def _rho(self, T: float, root, time_fn) -> np.ndarray:
         """Smallest ``r >= 2`` with ``time(r) <= T`` (``M + 1`` if none), exact w.r.t. ``time_fn``.
 
-        The closed form gives the answer up to rounding; the counts whose estimate lies within a relative
-        1e-6 of a whole number are settled by evaluating the cost formula itself.
+        ``root`` holds ``(b, b², D, 2X/B or None, valid)`` with ``b = C + D``. The closed form gives the answer
+        up to rounding; the counts whose estimate lies within a relative 1e-6 of a whole number are settled by
+        evaluating the cost formula itself.
         """
+        b, bb, D, x2, valid = root
         M = self.M
         big = M + 1
-        n = np.shape(C)[0]
+        n = np.shape(b)[0]
         if self.p.straight or M < 2 or T <= 0:
             return np.full(n, big, dtype=np.int64)
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            b = C + D
-            disc = b * b - 4.0 * T * D
-            est = np.where(disc > 0, (b + np.sqrt(np.maximum(disc, 0.0))) / (2.0 * T), 0.0)
-            if X is not None:
-                est = np.maximum(est, 2.0 * X / (self.p.bandwidth * T))
+            disc = bb - (4.0 * T) * D
+            flat = disc <= 0  # T r^2 - b r + D >= 0 for every r
+            np.maximum(disc, 0.0, out=disc)
+            est = np.sqrt(disc, out=disc)
+            est += b
+            est /= 2.0 * T
+            est[flat] = 0.0
+            if x2 is not None:
+                np.maximum(est, x2 * (1.0 / T), out=est)
             est = np.where(valid & np.isfinite(est), np.minimum(est, big), big)
+        # only an estimate within rounding of a count in 2..M can be off by one
+        whole = np.rint(est)
+        near = (np.abs(est - whole) <= 1e-6 * est) & (whole >= 2) & (whole <= M)
+        idx = np.nonzero(near)[0]
         est = np.maximum(est, 2.0)
         r = np.ceil(est).astype(np.int64)
-        near = np.abs(est - np.rint(est)) <= 1e-6 * est
-        near &= r <= big
-        idx = np.nonzero(near)[0]
         if len(idx):
             rr = np.minimum(np.rint(est[idx]).astype(np.int64) + 2, big)
             rr = np.maximum(rr, 2)
@@ -198,9 +211,9 @@ class _Search:
 
     def allowed(self, T: float):
         ok1 = self.t1 <= T
-        rho = self._rho(T, self.C, self.D, self.X, np.ones(len(self.C), bool), self.pair_time)
+        rho = self._rho(T, self._pair_root, self.pair_time)
         ok01 = self.t01 <= T
-        rho0 = self._rho(T, self.C0, self.D0, None, self.valid0, self.first_time)
+        rho0 = self._rho(T, self._first_root, self.first_time)
         return ok1, rho, ok01, rho0
 
     # feasibility -------------------------------------------------------------------------------------
@@ -615,12 +628,13 @@ def _tied_terms(states: AntichainStates, bandwidth: float) -> tuple[np.ndarray, 
     return np.where(valid, extra_c, 0.0), np.where(valid, extra_p, 0.0)
 
 
-def _with_tied(states: AntichainStates, bandwidth: float, CM: np.ndarray, PMx: np.ndarray
+def _with_tied(states: AntichainStates, bandwidth: float, CM: np.ndarray, PMx: np.ndarray, *, sync: bool = True
                ) -> tuple[np.ndarray, np.ndarray]:
+    """``CM``/``PMx`` plus the tied-group copies and, with ``sync``, the sync time at ``bandwidth``."""
     terms = _tied_terms(states, bandwidth)
     if terms is None:
         return CM, PMx
-    return CM + terms[0], PMx + terms[1]
+    return (CM + terms[0] if sync else CM), PMx + terms[1]
 
 
 def flat_problem(states: AntichainStates, workers: int, bandwidth: float, straight: bool,
@@ -705,21 +719,21 @@ def partition(profile: Profile, workers: int | Sequence[int], bandwidth: float |
                                 recompute=con.value_layers)
     dp_time = cost.data_parallel_time(states.compute_s[-1], states.parameter_bytes[-1], workers, bandwidth)
 
-    # inner levels: each level's range time is the best time one level in (at the innermost, the compute),
-    # plus that level's tied-group sync term
-    prec = states.precedes
-    CM, PMx = _ranges(states)
     choices = []
-    within = 1
-    for n, b in zip(workers[:-1], bandwidth[:-1]):
-        CMb, PMb = _with_tied(states, b, CM, PMx)
-        V, ch = _inner_level(states, CMb, PMb, n, b, within, straight)
-        choices.append(ch)
-        CM = np.where(np.isfinite(V), V, _INF)
-        within = n
     if len(workers) == 1:
         prob = flat_problem(states, workers[0], bandwidth[0], straight, memory_bytes)
     else:
+        # inner levels: a range's time is its best time one level in (innermost: its compute); tied groups
+        # add their parameter copies at every level and their sync time at the outermost only
+        prec = states.precedes
+        CM, PMx = _ranges(states)
+        within = 1
+        for n, b in zip(workers[:-1], bandwidth[:-1]):
+            CMb, PMb = _with_tied(states, b, CM, PMx, sync=False)
+            V, ch = _inner_level(states, CMb, PMb, n, b, within, straight)
+            choices.append(ch)
+            CM = np.where(np.isfinite(V), V, _INF)
+            within = n
         CMb, PMb = _with_tied(states, bandwidth[-1], CM, PMx)
         prob = LevelProblem(CMb[0].copy(), PMb[0].copy(), np.where(prec, CMb[1:], _INF),
                             np.where(prec, PMb[1:], 0.0), states.output_bytes, workers[-1], bandwidth[-1], within,

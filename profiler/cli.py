@@ -161,8 +161,24 @@ def _run(argv: list[str] | None) -> int:
         raise CliError(f"profiling {name} failed: {type(exc).__name__}: {exc}") from None
     _write(profile, output)
     print(_table(profile))
+    for line in _notes(profile, output):
+        print(line)
     print(f"wrote {output} ({len(profile)} layers, structure hash {profile.structure_hash()[:12]})")
     return 0
+
+
+def _notes(profile: Any, output: Path) -> list[str]:
+    """Value layers and tied parameters, and a warning when graph.txt cannot record them."""
+    values = sum(l.kind == "value" for l in profile.layers)
+    lines = []
+    if values:
+        lines.append(f"value layers (no tensor in their output; recomputed where needed, never sent): {values}")
+    for g in profile.tied:
+        users = ", ".join(profile.layers[i].name for i in g.layers)
+        lines.append(f"tied parameter {g.name} ({_size(g.bytes)}) shared by layers {users}")
+    if output.suffix != ".json" and (values or profile.tied):
+        lines.append("note: graph.txt cannot record layer kinds or tied parameters; write .json to keep them")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
-
 from torch.utils._pytree import tree_flatten
 
 from .profile import Layer, ModelInput, Profile, TiedGroup

@@ -18,8 +18,9 @@ of every tensor no instruction read, so every parameter gets a gradient. Determi
 
 For checking plans of any fx model: :func:`plan_crossings` lists what really crosses each cut of a plan
 under the runtime's contract (value layers are recomputed from their tensor roots where needed, tensors are
-sent), and :func:`run_stages` runs the traced model stage by stage with only those values handed over, and
-checks every layer's output against an undivided run.
+sent), :func:`run_stages` runs the traced model stage by stage with only those values handed over, and
+checks every layer's output against an undivided run, and :func:`check_counted` checks that the search
+counted them.
 """
 
 from __future__ import annotations
@@ -30,12 +31,15 @@ import torch
 import torch.fx
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils._pytree import tree_map
 
+from partitioner.antichain import linearize
+from partitioner.contract import contract
 from partitioner.plan import Plan
 from profiler.layers import has_tensor, layer_graph
 from profiler.profile import Profile
 
-__all__ = ["ProgramModel", "random_fx_model", "random_models", "Key", "plan_crossings", "run_stages"]
+__all__ = ["ProgramModel", "random_fx_model", "random_models", "Key", "plan_crossings", "run_stages", "check_counted"]
 
 Key = tuple[str, int]
 """``("layer", i)`` for layer ``i``'s output, ``("input", k)`` for the model's ``k``-th input."""
@@ -302,7 +306,7 @@ def _all_values(gm: torch.fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> d
     class _Record(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node) -> Any:
             out = super().run_node(n)
-            values[n.name] = out
+            values[n.name] = _clone(out)  # later in-place layers (ReLU(inplace), +=) must not change it
             return out
 
     with torch.no_grad():
@@ -335,7 +339,7 @@ def run_stages(model: nn.Module, example: torch.Tensor, profile: Profile, plan: 
         for kind, i in received:
             node = placeholders[i] if kind == "input" else nodes[i]
             assert kind == "input" or has_tensor(real[node.name]), f"{node.name} crosses but holds no tensor"
-            env[node] = real[node.name]
+            env[node] = _clone(real[node.name])
 
         def get(node: torch.fx.Node) -> Any:
             if node in env:
@@ -355,6 +359,36 @@ def run_stages(model: nn.Module, example: torch.Tensor, profile: Profile, plan: 
                     assert stage_of[i] == t
                     _same(env[node], real[node.name], node.name)
     return crossings
+
+
+def check_counted(profile: Profile, plan: Plan, crossings: list[set[Key]]) -> None:
+    """Assert that the search counted every value in ``crossings`` (see :func:`plan_crossings`) at its cut.
+
+    The cut before each stage must be an antichain state of the search; the layers crossing it must be in
+    that state's crossing set (inputs: read by a layer outside it) and their bytes at most the bytes counted.
+    """
+    con = contract(profile)
+    states = linearize(con.profile)
+    position = {old: new for new, old in enumerate(con.tensor_layers)}
+    stage_of = plan.layer_to_stage
+    by_downset = {d: k for k, d in enumerate(states.downsets)}
+    for t in range(1, plan.num_stages):
+        down = tuple(sorted(position[i] for i in con.tensor_layers if stage_of[i] < t))
+        assert down in by_downset, f"the cut before stage {t} is no antichain state of the search"
+        k = by_downset[down]
+        counted: set[Key] = {("layer", con.tensor_layers[i]) for i in states.crossing[k]}
+        for x, inp in enumerate(con.profile.inputs):
+            if set(inp.readers) - set(down):
+                counted.add(("input", x))
+        missing = crossings[t] - counted
+        assert not missing, f"cut before stage {t}: {sorted(missing)} cross but are not counted"
+        real = sum(profile.layers[i].activation_bytes if kind == "layer" else profile.inputs[i].bytes
+                   for kind, i in crossings[t])
+        assert real <= states.output_bytes[k] * (1 + 1e-12)
+
+
+def _clone(value: Any) -> Any:
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
 
 
 def _run(gm: torch.fx.GraphModule, node: torch.fx.Node, get: Callable[[torch.fx.Node], Any]) -> Any:

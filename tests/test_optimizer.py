@@ -189,3 +189,27 @@ def test_solve_level_matches_bruteforce_on_wide_worker_counts():
         if M <= 6:
             assert got.time_s == pytest.approx(exhaustive_level(prob), rel=1e-12)
         assert sum(got.replicas) == M
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_replica_counts_are_exact_at_every_threshold(seed):
+    """``_Search.allowed``: the least r >= 2 meeting T equals a scan of the cost formula, ties included."""
+    from partitioner.optimizer import _Search
+
+    rng = random.Random(7000 + seed)
+    profile = random_profile(rng, rng.randint(3, 7), dag=seed % 2 == 1)
+    M = rng.randint(2, 9)
+    search = _Search(flat_problem(linearize(profile), M, rng.choice([1e8, 1e9, 1e10]), False, None))
+    times = [search.pair_time(r) for r in range(1, M + 1)]
+    firsts = [search.first_time(r) for r in range(1, M + 1)]
+    thresholds = {float(t) for ts in times + firsts for t in np.ravel(ts)}  # every stage time: exact ties
+    thresholds |= {t * (1 + 1e-15) for t in list(thresholds)[:20]} | {t * (1 - 1e-15) for t in list(thresholds)[:20]}
+    for T in sorted(thresholds):
+        ok1, rho, ok01, rho0 = search.allowed(T)
+        for tab, got in ((times, rho), (firsts, rho0)):
+            want = np.full(len(got), M + 1)
+            for r in range(M, 1, -1):
+                want = np.where(tab[r - 1] <= T, r, want)
+            # counts above the least one must fit too (time is non-increasing in r >= 2)
+            assert np.array_equal(got, want), (T, got, want)
+        assert np.array_equal(ok1, times[0] <= T) and np.array_equal(ok01, firsts[0] <= T)

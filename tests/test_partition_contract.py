@@ -208,3 +208,16 @@ def test_scalar_and_numpy_settings():
     assert partition(p, 4, 1000000000) == a
     with pytest.raises(PlanError, match="workers"):
         partition(p, "4", 1e9)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_tied_groups_on_a_trivial_inner_level_plan_as_flat(seed):
+    rng = random.Random(8000 + seed)
+    base = random_profile(rng, rng.randint(4, 6), dag=False)
+    p = Profile(base.layers, base.edges, {}, (TiedGroup("w", 1e6, (0, len(base.layers) - 1)),))
+    M = rng.randint(2, 4)
+    for straight in (False, True):
+        flat = partition(p, M, 1e9, straight=straight)
+        nested = partition(p, [1, M], [1e10, 1e9], straight=straight)  # one worker per machine: no inner level
+        assert nested.time_per_minibatch_s == pytest.approx(flat.time_per_minibatch_s, rel=1e-12)
+    assert partition(p, [2, 2], [1e11, 1e9]).world_size == 4

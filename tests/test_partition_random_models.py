@@ -20,32 +20,9 @@ from partitioner import PlanError, partition
 from partitioner.antichain import linearize
 from partitioner.contract import contract
 from profiler.measure import profile_model
-from profiler.profile import Profile
-from random_models import Key, random_models, run_stages
+from random_models import check_counted, random_models, run_stages
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def check_counted(profile: Profile, plan, crossings: list[set[Key]]) -> None:
-    """(a): the search counted every value in ``crossings`` at the cut where it crosses."""
-    con = contract(profile)
-    states = linearize(con.profile)
-    position = {old: new for new, old in enumerate(con.tensor_layers)}
-    stage_of = plan.layer_to_stage
-    by_downset = {d: k for k, d in enumerate(states.downsets)}
-    for t in range(1, plan.num_stages):
-        down = tuple(sorted(position[i] for i in con.tensor_layers if stage_of[i] < t))
-        assert down in by_downset, f"the cut before stage {t} is no antichain state of the search"
-        k = by_downset[down]
-        counted: set[Key] = {("layer", con.tensor_layers[i]) for i in states.crossing[k]}
-        for x, inp in enumerate(con.profile.inputs):
-            if set(inp.readers) - set(down):
-                counted.add(("input", x))
-        missing = crossings[t] - counted
-        assert not missing, f"cut before stage {t}: {sorted(missing)} cross but are not counted"
-        real = sum(profile.layers[i].activation_bytes if kind == "layer" else profile.inputs[i].bytes
-                   for kind, i in crossings[t])
-        assert real <= states.output_bytes[k] * (1 + 1e-12)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

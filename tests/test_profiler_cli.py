@@ -173,3 +173,18 @@ def test_subprocess_exit_status_and_single_line(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
     assert proc.stdout == ""
     assert not out.exists()
+
+
+@pytest.mark.parametrize("suffix", [".json", ".txt"])
+def test_gpt_value_layers_and_tied_embedding(tmp_path: Path, capsys: pytest.CaptureFixture[str], suffix: str) -> None:
+    out = tmp_path / f"gpt{suffix}"
+    rc = main(["examples.gpt:gpt", "--int-input", "256", "--input-shape", "16", "--batch-size", "2", *FAST,
+               "-o", str(out)])
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    assert "value layers (no tensor in their output; recomputed where needed, never sent): 32" in stdout
+    assert "tied parameter wte.weight (128.0 KiB) shared by layers wte, lm_head" in stdout
+    assert ("graph.txt cannot record" in stdout) == (suffix == ".txt")
+    p = load_profile(out)
+    if suffix == ".json":
+        assert sum(l.kind == "value" for l in p.layers) == 32 and p.tied[0].name == "wte.weight"
