@@ -9,8 +9,8 @@ inputs give the same decisions (the pipeline's first stage decides and sends the
 **Backpressure.** ``should_save(step, now, busy=True)`` — ``busy`` being ``writer.backlog > 0`` on the committer:
 the previous checkpoint is not committed yet — never says yes: a checkpoint that is due is *deferred* to the
 first step at which storage has caught up, which stretches the interval instead of queueing saves that would
-never commit. The first deferral of a run is logged (WARNING), and so is the stretched interval once the
-checkpoint is taken (INFO); :attr:`CheckpointPolicy.deferred` counts deferrals.
+never commit. The first deferral is logged (WARNING), and so is the stretched interval once that checkpoint is
+taken (INFO); later ones go to DEBUG. :attr:`CheckpointPolicy.deferred` counts deferred checkpoints.
 
 **Measured costs.** The runtime feeds, per checkpoint, ``observe(blocking_s=handle.snapshot_s)`` right after
 ``save`` and ``observe(persist_s=, persist_cpu_s=, commit_s=)`` once the handle is done. :class:`OverheadBudget`
@@ -102,7 +102,7 @@ class CheckpointPolicy(ABC):
         self.last_save_time: float | None = None
         """Clock reading of the last checkpoint recorded, or of :meth:`reset` / the first query."""
         self.deferred: int = 0
-        """Checkpoints that were due while ``busy`` (see :meth:`should_save`), deferred."""
+        """Checkpoints that were due while ``busy`` and deferred (see :meth:`should_save`)."""
         self._deferring_since: int | None = None
 
     def should_save(self, step: int, now: float, *, busy: bool = False) -> bool:
@@ -119,18 +119,22 @@ class CheckpointPolicy(ABC):
         # a deferred checkpoint stays due (also for policies such as EveryNSteps whose decide() moved on)
         decision = bool(self.decide(step, now)) or self._deferring_since is not None
         if decision and busy:
-            self.deferred += 1
             if self._deferring_since is None:
                 self._deferring_since = step
-                log.warning(
+                self.deferred += 1
+                first = self.deferred == 1
+                log.log(
+                    logging.WARNING if first else logging.DEBUG,
                     "checkpoint due at step %d deferred: the previous checkpoint (step %s) is not committed yet "
-                    "(storage slower than the checkpoint interval); the interval is stretched until it is",
+                    "(storage slower than the checkpoint interval); the interval is stretched until it is"
+                    + ("; later deferrals are logged at DEBUG" if first else ""),
                     step, self.last_save_step,
                 )
             return False
         if decision:
             if self._deferring_since is not None:
-                log.info(
+                log.log(
+                    logging.INFO if self.deferred == 1 else logging.DEBUG,
                     "checkpoint at step %d, deferred since step %d: interval stretched to %s steps",
                     step, self._deferring_since,
                     "?" if self.last_save_step is None else step - self.last_save_step,

@@ -63,6 +63,7 @@ class SeaweedS3:
         bucket: str = "checkpoints",
         startup_timeout_s: float = 60.0,
         identities: dict[str, tuple[str, list[str]]] | None = None,
+        nice: int = 0,
     ) -> None:
         self.weed = shutil.which("weed")
         if self.weed is None:
@@ -81,6 +82,8 @@ class SeaweedS3:
         self.endpoint_url = f"http://127.0.0.1:{self.s3_port}"
         self.access_key = ACCESS_KEY
         self.secret_key = SECRET_KEY
+        self.nice = nice
+        """Nice value the server runs at (a benchmark may set 19 so that it stands for a remote server)."""
         self.identities = identities
         """``{access_key: (secret_key, actions)}`` (SeaweedFS actions: ``Admin``, ``Read``, ``List``, ``Write``,
         ``Tagging``) enforced by the server, or ``None``: any credentials are accepted. Change it and
@@ -150,7 +153,8 @@ class SeaweedS3:
         log = open(self.logfile, "ab")
         try:
             self._proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.workdir
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.workdir,
+                preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None,
             )
         finally:
             log.close()

@@ -19,12 +19,16 @@ def test_busy_defers_a_due_checkpoint_and_logs_once(caplog) -> None:
         taken = [s for s in range(11, 40) if p.should_save(s, 0.0, busy=s < 24)]
     # due at 20, deferred at 20..23 (busy), taken at 24; then aligned to multiples of 10 again
     assert taken == [24, 30]
-    assert p.deferred == 4
+    assert p.deferred == 1  # one checkpoint deferred (over 4 steps)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "deferred" in warnings[0].getMessage()
     assert "step 20" in warnings[0].getMessage() and "not committed" in warnings[0].getMessage()
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert any("stretched to 14 steps" in m for m in infos)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pipedream_ft.policies"):
+        assert not p.should_save(40, 0.0, busy=True) and p.should_save(41, 0.0)
+    assert p.deferred == 2 and not caplog.records  # later deferrals: DEBUG only
 
 
 def test_busy_never_says_yes_and_not_busy_is_unchanged() -> None:

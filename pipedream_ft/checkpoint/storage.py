@@ -248,6 +248,9 @@ class Storage:
                     protocol = self._raw_url.split("://", 1)[0]
                     if protocol in ("s3", "s3a"):
                         config = dict(_S3_DEFAULT_CONFIG)
+                        if _botocore_knows("request_checksum_calculation"):
+                            # parts carry their own checksum; botocore's extra CRC of every body is CPU for nothing
+                            config["request_checksum_calculation"] = "when_required"
                         config.update(options.get("config_kwargs") or {})
                         options["config_kwargs"] = config
                     try:
@@ -636,6 +639,14 @@ class Storage:
         except Exception:
             return False
         return False
+
+
+def _botocore_knows(option: str) -> bool:
+    try:
+        from botocore.config import Config
+    except ImportError:
+        return False
+    return option in getattr(Config, "OPTION_DEFAULTS", {})
 
 
 def _fsync_dir(path: str) -> None:
