@@ -16,6 +16,7 @@ from .env import DistEnv, read_env
 from .errors import PipelineError, PipelineSetupError, exit_on_error
 from .ft.checkpointer import CheckpointConfig, Preempted
 from .ft.coordination import init_distributed, shutdown
+from .launch import launch
 from .pipeline.comm import PeerTimeoutError, ShapeMismatchError
 from .pipeline.hooks import Hooks
 from .policies import (AllOf, AnyOf, CheckpointPolicy, EveryNSteps, EveryTSeconds, Never, OverheadBudget,
@@ -48,6 +49,7 @@ __all__ = [
     "YoungDaly",
     "exit_on_error",
     "init_distributed",
+    "launch",
     "load_plan",
     "read_env",
     "shutdown",

@@ -17,9 +17,15 @@ The pieces, each in its own module:
 
 from __future__ import annotations
 
+import atexit
+import gc
+import hashlib
+import json
 import logging
 import os
+import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -32,7 +38,10 @@ from profiler.profile import Profile
 from .checkpoint import Storage
 from .env import DistEnv, read_env
 from .errors import PipelineSetupError
-from .ft.checkpointer import CheckpointConfig, Checkpointer
+from .checkpoint import CheckpointError
+from .ft.checkpointer import CheckpointConfig, Checkpointer, plan_hash
+from .ft.coordination import LiveGroup
+from .ft.recovery import Formed, Heartbeat, Membership
 from .ft.coordination import Coordinator
 from .ft.elastic import describe_plan, load_stored_profile, replan
 from .ft.faults import FaultInjector
@@ -40,7 +49,7 @@ from .ft.watchdog import Watchdog, WatchdogHook
 from .observe.hooks import MetricsHook, ProgressHook, TimelineHook
 from .observe.metrics import MetricsWriter, summary_table
 from .observe.timeline import TimelineRecorder
-from .pipeline.comm import Messenger
+from .pipeline.comm import Messenger, PeerTimeoutError
 from .pipeline.executor import DataFn, Executor, RankStats
 from .pipeline.group import CommGroup
 from .pipeline.hooks import HookList, Hooks
@@ -51,7 +60,7 @@ from .pipeline.state import StageState
 from .pipeline.tied import TiedParameters, find_tied, tie_declared
 from .pipeline.topology import Topology
 
-__all__ = ["MODES", "PipelineConfig", "RankStats", "TrainResult", "PipelineTrainer"]
+__all__ = ["MODES", "PipelineConfig", "RankStats", "TrainResult", "PipelineTrainer", "release_all"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +93,9 @@ class PipelineConfig:
     """Refuse a plan whose profile hash differs from the model's structure."""
     backend: str | None = None
     """``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available."""
+    recovery_timeout_s: float = 120.0
+    """In-place recovery: the longest the ranks wait for the group to form again before giving up (then the
+    processes stop and torchrun restarts them all)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -150,7 +162,8 @@ class PipelineTrainer:
     ) -> None:
         self.config = config = config or PipelineConfig()
         self.timeline: dict[str, float] = {"start": time.time()}
-        """Wall-clock times of this attempt's milestones: start, joined, restored, first_update."""
+        """Wall-clock times of this process's milestones: start, joined (its process groups built), restored,
+        first_update; for a replacement process also joining and formed (in-place recovery)."""
         self.env = env = env or read_env()
         self.backend, self.device = _backend_and_device(env, config.backend)
         if not isinstance(model, nn.Module):
@@ -186,6 +199,9 @@ class PipelineTrainer:
         self.state = StageState(module, optimizer_factory, stage=topo.stage, replica=topo.replica,
                                 keep=self.mode.versions_kept(topo), extra=extra_state, tied=tied)
         self.loss_fn = loss_fn
+        self.in_place = env.recovery == "in-place"
+        if self.in_place and checkpoint is None:
+            checkpoint = CheckpointConfig()  # in-place recovery needs the memory tier at least
         # every check above is local and the same on every rank; only now talk to the others
         self.coordinator = Coordinator(env, config.timeout_s)
         self.hooks = HookList()
@@ -193,28 +209,35 @@ class PipelineTrainer:
         if self.faults:
             self.hooks.add(self.faults)
         self._add_observers()
-        self.group = self._join()
-        self.messenger = Messenger(self.group, config.timeout_s)
-        if self.state.tied:
-            self.state.tied.messenger = self.messenger
-        self.executor = Executor(topo, self.state, self.mode, self.messenger, loss_fn=loss_fn, seed=config.seed,
+        self.group: CommGroup | None = None
+        self.messenger: Messenger | None = None
+        self.executor = Executor(topo, self.state, self.mode, device=self.device, loss_fn=loss_fn, seed=config.seed,
                                  hooks=self.hooks)
         self.ckpt: Checkpointer | None = None
         if checkpoint is not None:
-            self.ckpt = Checkpointer(checkpoint, topo=topo, mode=self.mode, state=self.state, group=self.group,
-                                     coordinator=self.coordinator, hooks=self.hooks,
-                                     flush_sends=self.messenger.flush, profile=profile)
+            self.ckpt = Checkpointer(checkpoint, topo=topo, mode=self.mode, state=self.state,
+                                     coordinator=self.coordinator, hooks=self.hooks, flush_sends=self._flush_sends,
+                                     profile=profile, job=self.coordinator.job_id() if env.use_agent_store else None)
             if self.faults:
                 self.faults.instrument(self.ckpt)
             if topo.is_first:
                 self.executor.decide = self.ckpt.decide
             self.executor.on_cut = self.ckpt.on_cut
+        self.fingerprint = hashlib.sha256(json.dumps(
+            [plan_hash(plan, self.mode), plan.profile_hash, checkpoint.url if checkpoint else None]).encode()).hexdigest()
+        self.membership: Membership | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._bad_cuts: set[int] = set()
+        self.recoveries: list[dict[str, Any]] = []
+        """One record per in-place recovery this process took part in: wall-clock times of the failure, the
+        group formed again, the state restored and the first update after it; the epoch and the cut."""
         self.redone = 0
-        self.resumed_from = self.ckpt.resume() if self.ckpt is not None else None
+        self.resumed_from = self._start()
         self.timeline["restored"] = time.time()
         self.hooks.on_event("start", attempt=env.restart_count, resumed_from=self.resumed_from)
         if self.resumed_from is not None:
             self._log_resume()
+        _OPEN.add(self)
 
     # -- set-up ---------------------------------------------------------------------------------------------
 
@@ -236,19 +259,114 @@ class PipelineTrainer:
             print(f"pipedream-ft: {msg}", flush=True)
         return new
 
-    def _join(self) -> CommGroup:
-        """Agree on a fresh epoch namespace with every rank and build this epoch's process groups."""
-        topo = self.topo
+    def _start(self) -> int | None:
+        """Join the group and restore what there is to restore; returns the position resumed from (or None).
+
+        A replacement process (in-place recovery) joins the running group's next epoch and restores the cut
+        every rank agrees on; any other process agrees on a fresh namespace with every rank of its attempt and,
+        with checkpointing, resumes from the newest checkpoint they can all restore."""
+        env = self.env
+        if self.in_place and env.incarnation > 0 and env.live_round:
+            self._live(env.live_round)
+            formed = self._form_and_restore()
+            log.warning("rank %d: replacement process %d joined epoch %d at cut %d", env.rank, env.incarnation,
+                        formed.epoch, formed.cut)
+            return formed.cut
         epoch = self.coordinator.new_epoch()
-        group = CommGroup(epoch.store, rank=self.env.rank, world_size=self.env.world_size, backend=self.backend,
+        self._attach(self._make_group(epoch.store))
+        if self.in_place:
+            self._live(epoch.id).start()
+        return self.ckpt.resume() if self.ckpt is not None else None
+
+    def _live(self, round_id: str) -> LiveGroup:
+        live = self.coordinator.live_group(round_id)
+        self.membership = Membership(live, rank=self.env.rank, world_size=self.env.world_size,
+                                     incarnation=self.env.incarnation, fingerprint=self.fingerprint,
+                                     timeout_s=self.config.recovery_timeout_s, on_join=lambda epoch: self.faults.at_join(self.env.restart_count + epoch))
+        self._heartbeat = Heartbeat(live, self.env.rank, self.env.incarnation)
+        return live
+
+    def _make_group(self, store: Any) -> CommGroup:
+        """This epoch's process groups, in namespace ``store``."""
+        topo = self.topo
+        group = CommGroup(store, rank=self.env.rank, world_size=self.env.world_size, backend=self.backend,
                           device=self.device, timeout_s=self.config.timeout_s,
                           links=(topo.links() + (self.state.tied.links() if self.state.tied else []))
                           if self.backend == "nccl" else (),
                           replica_ranks=topo.stage_ranks if len(topo.stage_ranks) > 1 else None)
         self.timeline["joined"] = time.time()
-        log.info("rank %d/%d joined (%s, restart %d)", self.env.rank, self.env.world_size, self.backend,
-                 self.env.restart_count)
+        log.info("rank %d/%d joined (%s, restart %d, process %d)", self.env.rank, self.env.world_size,
+                 self.backend, self.env.restart_count, self.env.incarnation)
         return group
+
+    def _attach(self, group: CommGroup) -> None:
+        self.group = group
+        self.messenger = Messenger(group, self.config.timeout_s)
+        self.executor.attach(self.messenger)
+        if self.ckpt is not None:
+            self.ckpt.attach(group)
+
+    def _release(self) -> None:
+        """Let go of this epoch's groups and of every pending operation on them: their connections close, so
+        every rank still waiting on this one fails at once and joins the recovery too."""
+        self.executor.abandon()
+        self.executor.attach(None)
+        self.messenger = None
+        group, self.group = self.group, None
+        if group is not None:
+            group.abort()
+            group.close()
+        del group
+        gc.collect()
+
+    def _flush_sends(self) -> None:
+        if self.messenger is not None:
+            self.messenger.flush()
+
+    def _form_and_restore(self) -> Formed:
+        """Form the next epoch with every rank, restore the cut it agrees on, and build its groups."""
+        assert self.membership is not None and self.ckpt is not None
+        ckpt = self.ckpt
+        while True:
+            self.timeline.setdefault("joining", time.time())
+            formed = self.membership.form(
+                lambda: [c for c in ckpt.restorable_cuts() if c not in self._bad_cuts])
+            self.timeline.setdefault("formed", time.time())
+            part: dict[str, Any] | None = None
+            try:
+                part = ckpt.load(formed.cut)
+            except CheckpointError as exc:
+                log.warning("rank %d: cannot restore cut %d: %s", self.env.rank, formed.cut, exc)
+                self._bad_cuts.add(formed.cut)
+            if not self.membership.confirm(formed, part is not None):
+                continue
+            assert part is not None and self.membership.live is not None
+            epoch = self.coordinator.live_epoch(self.membership.live.round_id, formed.epoch)
+            self._attach(self._make_group(epoch.store))
+            self.state.restore(part)
+            ckpt.restored(formed.cut)
+            self.faults.set_attempt(self.env.restart_count + formed.epoch)
+            return formed
+
+    def _recover(self, failure: str) -> None:
+        """A peer failed: fall back to the newest cut every rank can restore and go on, in place."""
+        assert self.membership is not None and self.ckpt is not None
+        record: dict[str, Any] = {"failed": time.time(), "epoch": self.membership.epoch}
+        self.recoveries.append(record)
+        print(f"pipedream-ft: rank {self.env.rank}: {failure}; recovering in place", file=sys.stderr, flush=True)
+        self.hooks.on_event("failure", reason=failure, epoch=self.membership.epoch)
+        self.membership.report_failure()
+        self._release()
+        reached = max([b for b, _ in self.executor.losses], default=self.position)
+        formed = self._form_and_restore()
+        record.update(formed=time.time(), epoch=formed.epoch, cut=formed.cut)
+        self.executor.rewind(formed.cut)
+        record["restored"] = time.time()
+        self.redone = max(0, reached + 1 - formed.cut) if self.topo.is_last else self.redone
+        self.hooks.on_event("recovered", epoch=formed.epoch, cut=formed.cut,
+                            seconds=record["restored"] - record["failed"])
+        log.warning("rank %d: recovered in place in %.2fs: epoch %d, continuing from minibatch %d", self.env.rank,
+                    record["restored"] - record["failed"], formed.epoch, formed.cut)
 
     def _add_observers(self) -> None:
         config, env, topo = self.config, self.env, self.topo
@@ -268,7 +386,7 @@ class PipelineTrainer:
                                      report=self.coordinator.report_progress if reporter else None,
                                      last_loss=self._last_loss, reported_loss=self.coordinator.last_loss)
         self.hooks.add(self.progress)
-        self.hooks.add(_Milestones(self.timeline))
+        self.hooks.add(_Milestones(self.timeline, lambda: self.recoveries))
 
     def _last_loss(self) -> float | None:
         losses = self.executor.losses
@@ -341,20 +459,43 @@ class PipelineTrainer:
 
         ``steps`` counts minibatches (PipeDream's unit of work; in ``"flush"`` mode, ``flush_every`` of them
         make one optimizer step) and must be a multiple of the mode's window (every stage's replica count).
+        With in-place recovery a peer's failure does not end the call: the ranks fall back to the newest cut
+        they can all restore and go on (see :mod:`pipedream_ft.ft.recovery`).
         """
         window = self.mode.window(self.topo)
         if steps < 0 or steps % window:
             raise ValueError(f"steps must be a non-negative multiple of {window} for this plan and mode, got {steps}")
         ex = self.executor
-        if not ex.preflight_done:
-            ex.preflight(data)
         start, stop = self.position, self.position + steps
-        actions = self.schedule(start, stop)
-        forwards = [i for i, a in enumerate(actions) if a.kind == "F"]
         t0 = time.perf_counter()
         ex.losses = []
         self.hooks.on_train_start(start, stop)
         try:
+            while True:
+                failure = self._run(data, stop)
+                if failure is None:
+                    break
+                self._recover(failure)
+        finally:
+            self.hooks.on_train_end(start, stop)
+        self.state.position = stop
+        self.progress.report(stop, force=True)
+        seconds = time.perf_counter() - t0
+        result = TrainResult(ex.gather_losses(), start, seconds, ex.stats)
+        if self.config.summary:
+            self._print_summary(seconds)
+        return result
+
+    def _run(self, data: DataFn, stop: int) -> str | None:
+        """Run the schedule from the current position to ``stop``. Returns ``None`` when done, or — with in-place
+        recovery — why the group failed (the exception and its frames, which hold pending operations, are gone
+        by the time the caller recovers)."""
+        ex = self.executor
+        try:
+            if not ex.preflight_done:
+                ex.preflight(data)
+            actions = self.schedule(self.position, stop)
+            forwards = [i for i, a in enumerate(actions) if a.kind == "F"]
             nxt = 0  # first forward at or after the current action
             for i, action in enumerate(actions):
                 # post the next receives before computing: this forward's and the next one's
@@ -374,16 +515,12 @@ class PipelineTrainer:
             if self.state.tied:
                 self.state.tied.drain(stop // self.mode.update_unit(self.topo))
             self.hooks.on_event("draining")
-            self.messenger.flush()
-        finally:
-            self.hooks.on_train_end(start, stop)
-        self.state.position = stop
-        self.progress.report(stop, force=True)
-        seconds = time.perf_counter() - t0
-        result = TrainResult(ex.gather_losses(), start, seconds, ex.stats)
-        if self.config.summary:
-            self._print_summary(seconds)
-        return result
+            self._flush_sends()
+            return None
+        except PeerTimeoutError as exc:
+            if self.membership is None:
+                raise
+            return str(exc)
 
     def _print_summary(self, seconds: float) -> None:
         """Gather every rank's statistics and print a table on rank 0. A collective."""
@@ -398,6 +535,8 @@ class PipelineTrainer:
         result = self.train(data, max(0, total - self.position))
         if self.ckpt is not None:
             self.ckpt.finish(self.position)
+            if self.env.local_rank == 0:  # everybody on this node is done with the memory tier
+                self.ckpt.discard_memory()
         return result
 
     # -- results --------------------------------------------------------------------------------------------
@@ -424,13 +563,43 @@ class PipelineTrainer:
         if self.ckpt is not None:
             self.ckpt.close()
         self.hooks.close()
-        self.group.close()
+        if self._heartbeat is not None:
+            self._heartbeat.close()
+        self.release()
+
+    def release(self) -> None:
+        """Shut this rank's process groups down now (idempotent; also done at interpreter exit)."""
+        if self.group is not None:
+            self._release()
+        _OPEN.discard(self)
+
+
+_OPEN: weakref.WeakSet[PipelineTrainer] = weakref.WeakSet()
+
+
+def release_all() -> None:
+    """Shut down the process groups of every trainer of this process that is still open (called by
+    :func:`pipedream_ft.launch` and :func:`~pipedream_ft.exit_on_error` on the way out, and at exit)."""
+    for trainer in list(_OPEN):
+        try:
+            trainer.release()
+        except Exception:  # the way out must not fail
+            pass
+
+
+atexit.register(release_all)
 
 
 class _Milestones(Hooks):
-    def __init__(self, timeline: dict[str, float]) -> None:
+    """Records the first update of the process and the first one after each in-place recovery."""
+
+    def __init__(self, timeline: dict[str, float], recoveries: Callable[[], list[dict[str, Any]]]) -> None:
         self.timeline = timeline
+        self.recoveries = recoveries
 
     def on_update(self, round_: int, done: int, start: float, end: float) -> None:
         if "first_update" not in self.timeline:
             self.timeline["first_update"] = end
+        records = self.recoveries()
+        if records and "first_update" not in records[-1] and "restored" in records[-1]:
+            records[-1]["first_update"] = end

@@ -14,7 +14,6 @@ peer instead of hanging. With gloo each message gets its own tag; NCCL ignores t
 from __future__ import annotations
 
 import pickle
-import re
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .group import CommGroup
+from .group import CommGroup, PeerTimeoutError, backend_reason
 
 __all__ = ["TensorSpec", "Header", "PeerTimeoutError", "ShapeMismatchError", "Messenger", "RecvHandle"]
 
@@ -38,10 +37,6 @@ _DTYPES: list[torch.dtype] = [
     torch.int8, torch.uint8, torch.bool, torch.complex64,
 ]
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
-
-
-class PeerTimeoutError(RuntimeError):
-    """A transfer with a peer did not complete within the timeout."""
 
 
 class ShapeMismatchError(ValueError):
@@ -100,13 +95,6 @@ def _decode(buf: torch.Tensor) -> tuple[Header, list[TensorSpec]]:
         ndim = vals[off + 1]
         specs.append(TensorSpec(tuple(vals[off + 2: off + 2 + ndim]), _DTYPES[vals[off]]))
     return Header(vals[1], vals[2], vals[3]), specs
-
-
-def _backend_reason(exc: BaseException) -> str:
-    """The useful part of a backend's error: no source location, no boilerplate advice."""
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text)
-    return text.split(" This is typically")[0].strip()
 
 
 def _tag(minibatch: int, slot: int) -> int:
@@ -283,7 +271,7 @@ class Messenger:
             ok = work.wait(self.timeout)
         except Exception as exc:  # backends raise their own error types on timeout or a dead peer
             raise PeerTimeoutError(
-                f"{what} failed or timed out after {self.timeout.total_seconds():.0f}s: {_backend_reason(exc)}"
+                f"{what} failed or timed out after {self.timeout.total_seconds():.0f}s: {backend_reason(exc)}"
             ) from None
         if ok is False:
             raise PeerTimeoutError(f"{what} timed out after {self.timeout.total_seconds():.0f}s")

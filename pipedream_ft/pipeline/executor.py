@@ -37,7 +37,7 @@ from .state import StageState
 from .topology import Topology
 from .versions import Version
 
-__all__ = ["CUT", "STOP", "DataFn", "Executor", "RankStats", "mix_seed"]
+__all__ = ["CUT", "DURABLE", "STOP", "DataFn", "Executor", "RankStats", "mix_seed"]
 
 FAILED = 1
 """Header flag: the upstream stage failed its pre-flight check."""
@@ -45,6 +45,8 @@ CUT = 2
 """Header flag: a checkpoint cut follows this minibatch."""
 STOP = 4
 """Header flag: and the job stops after it (a preemption)."""
+DURABLE = 8
+"""Header flag: the cut's checkpoint goes to the durable tier too (not only the memory tier)."""
 
 DataFn = Callable[[int], tuple[Any, Any]]
 """``data(b) -> (inputs, targets)`` of minibatch ``b``; every rank must see the same stream."""
@@ -109,14 +111,14 @@ def _ranges(idx: Sequence[int]) -> str:
 class Executor:
     """Runs one stage replica's actions (see the module docstring)."""
 
-    def __init__(self, topo: Topology, state: StageState, mode: Mode, messenger: Messenger, *,
+    def __init__(self, topo: Topology, state: StageState, mode: Mode, *, device: torch.device,
                  loss_fn: Callable[[Any, Any], torch.Tensor], seed: int, hooks: Hooks) -> None:
         self.topo = topo
         self.state = state
         self.mode = mode
-        self.messenger = messenger
-        self.group = messenger.group
-        self.device = messenger.device
+        self.messenger: Messenger = None  # type: ignore[assignment]  # see attach()
+        self.group: Any = None
+        self.device = device
         self.loss_fn = loss_fn
         self.seed = seed
         self.hooks = hooks
@@ -129,6 +131,8 @@ class Executor:
         """Called after the update that completes the minibatches before a cut, with ``(cut, flags)``."""
         self.cuts: dict[int, int] = {}
         """Cuts announced to this rank and not yet reached: cut -> flags."""
+        self.stop_at: int | None = None
+        """A cut after which the job stops (a preemption): minibatches from there on are not run."""
         self.preflight_done = False
         self._in_structure: Structure | None = None
         """Structure of the values this stage receives (learned at the pre-flight)."""
@@ -138,6 +142,13 @@ class Executor:
         self._act_recv: dict[int, RecvHandle] = {}
         self._generator = torch.cuda.default_generators[self.device.index or 0] if self.device.type == "cuda" \
             else torch.default_generator
+
+    def attach(self, messenger: Messenger | None) -> None:
+        """Talk through ``messenger`` (the current epoch's); ``None`` lets go of the previous one."""
+        self.messenger = messenger  # type: ignore[assignment]
+        self.group = messenger.group if messenger is not None else None
+        if self.state.tied:
+            self.state.tied.messenger = messenger
 
     # -- inputs ---------------------------------------------------------------------------------------------
 
@@ -227,7 +238,7 @@ class Executor:
 
     def post_activation_recv(self, b: int) -> None:
         """Post the receive of minibatch ``b``'s activations (ahead of its forward)."""
-        if not self.topo.is_first and b not in self._act_recv:
+        if not self.topo.is_first and b not in self._act_recv and (self.stop_at is None or b < self.stop_at):
             self._act_recv[b] = self.messenger.post_activations(self.topo.peer(self.topo.stage - 1, b), b)
 
     def _waited(self, handle: RecvHandle, what: str) -> None:
@@ -236,14 +247,21 @@ class Executor:
             end = time.time()
             self.hooks.on_wait(what, handle.minibatch, handle.peer, end - handle.wait_s, end)
 
+    def _cut(self, b: int, flags: int) -> None:
+        self.cuts[b + 1] = flags
+        if flags & STOP:
+            self.stop_at = b + 1
+
     def forward(self, b: int, data: DataFn) -> None:
+        if self.stop_at is not None and b >= self.stop_at:
+            return  # the job stops at the cut before: this minibatch is for the next attempt
         topo, state = self.topo, self.state
         leaves: list[torch.Tensor] = []
         if topo.is_first:
             inputs = self._model_inputs(data(b)[0])
             flags = self.decide(b) if self.decide is not None else 0
             if flags & CUT:
-                self.cuts[b + 1] = flags
+                self._cut(b, flags)
             tag = self.mode.version_for(topo, state.versions, b, 0).updates
             header = Header(b, tag, flags)
         else:
@@ -255,7 +273,7 @@ class Executor:
             leaves = [t.requires_grad_() if t.is_floating_point() else t for t in leaves]
             inputs = self._in_structure.join(leaves)
             if header.flags & CUT:
-                self.cuts[b + 1] = header.flags
+                self._cut(b, header.flags)
         t0 = time.perf_counter()
         w0 = time.time()
         version = self.mode.version_for(topo, state.versions, b, header.tag)
@@ -295,6 +313,8 @@ class Executor:
         self._note_stash()
 
     def backward(self, b: int) -> None:
+        if self.stop_at is not None and b >= self.stop_at:
+            return
         topo, state = self.topo, self.state
         rec = self._inflight.pop(b)
         if topo.is_last:
@@ -391,10 +411,18 @@ class Executor:
         merged = sorted(x for part in gathered if part for x in part)
         return [loss for _, loss in merged]
 
-    def reset(self) -> None:
-        """Forget in-flight minibatches and pending receives (after a failure or before a new run)."""
+    def abandon(self) -> None:
+        """Forget in-flight minibatches, pending receives and cuts: the group they were on failed. Drops every
+        reference to its pending operations."""
         self._inflight.clear()
         self._act_recv.clear()
         self.cuts.clear()
-        self.losses = []
+        self.stop_at = None
+        if self.state.tied:
+            self.state.tied.release()
+        self.preflight_done = False
+
+    def rewind(self, position: int) -> None:
+        """Training goes on from ``position``: forget the losses of the minibatches that will be computed again."""
+        self.losses = [(b, loss) for b, loss in self.losses if b < position]
 

@@ -73,21 +73,32 @@ class StageState:
 
     # -- checkpoint parts ---------------------------------------------------------------------------------------
 
-    def capture(self, cut: int) -> dict[str, Any]:
-        """This rank's part of the checkpoint at ``cut`` (taken right after its update for minibatch ``cut - 1``)."""
-        versions = {u: list(v.tensors) for u, v in self.versions.history.items()}
+    def capture(self, cut: int, frozen: Callable[[Any], Any] = lambda value: value) -> dict[str, Any]:
+        """This rank's part of the checkpoint at ``cut`` (taken right after its update for minibatch ``cut - 1``).
+
+        ``frozen`` wraps the values whose tensors are never modified afterwards (weight versions, and the
+        weights themselves, which right after an update are the newest version), so that a snapshot may refer to
+        them instead of copying (see :func:`pipedream_ft.checkpoint.snapshot.immutable`).
+        """
+        versions = {u: frozen(list(v.tensors)) for u, v in self.versions.history.items()}
+        current = {id(p): t for p, t in zip(self.params, self.versions.current.tensors)}
+        if self.tied:
+            current.update({id(g.param): g.versions.current.tensors[0] for g in self.tied.groups})
+        live = {n: p for n, p in self.module.named_parameters(remove_duplicate=False)}
+        model = {k: frozen(current[id(live[k])]) if k in live and id(live[k]) in current else v
+                 for k, v in self.module.state_dict().items()}
         state: dict[str, Any] = {
             "position": cut,
             "updates": self.versions.current.updates,
             "stage": self.stage,
             "replica": self.replica,
-            "model": self.module.state_dict(),
+            "model": model,
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "param_names": list(self.param_names),
             "versions": versions,
             "rng": torch.get_rng_state(),
             "extra": {name: obj.state_dict() for name, obj in self.extra.items()},
-            "tied": self.tied.capture() if self.tied else {},
+            "tied": self.tied.capture(frozen) if self.tied else {},
         }
         device = self.params[0].device if self.params else torch.device("cpu")
         if device.type == "cuda":

@@ -259,10 +259,16 @@ class TiedParameters:
 
     # -- checkpoint parts -------------------------------------------------------------------------------------
 
-    def capture(self) -> dict[str, Any]:
+    def capture(self, frozen: Callable[[Any], Any] = lambda value: value) -> dict[str, Any]:
         return {g.spec.name: {"optimizer": g.optimizer.state_dict(), "updates": g.applied,
-                              "versions": {u: v.tensors[0] for u, v in g.versions.history.items()}}
+                              "versions": {u: frozen(v.tensors[0]) for u, v in g.versions.history.items()}}
                 for g in self.groups}
+
+    def release(self) -> None:
+        """Forget pending gradient exchanges (the group they were on is gone)."""
+        for g in self.groups:
+            g.recvs.clear()
+            g.grads.clear()
 
     def restore(self, state: dict[str, Any]) -> None:
         for g in self.groups:
