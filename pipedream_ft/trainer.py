@@ -13,6 +13,11 @@ The pieces, each in its own module:
 * :class:`~pipedream_ft.pipeline.group.CommGroup` — the process groups of the current epoch;
 * :class:`~pipedream_ft.ft.checkpointer.Checkpointer` — cuts, saves, commits, resume;
 * hooks — timeline, metrics, progress bar, watchdog, fault injection.
+
+And the training features: data sources read once by stage 0 (:mod:`~pipedream_ft.pipeline.data`,
+:mod:`~pipedream_ft.pipeline.sources`), the LR scheduler (:mod:`~pipedream_ft.pipeline.scheduler`), gradient
+clipping (:mod:`~pipedream_ft.pipeline.stepper`), mixed precision (:mod:`~pipedream_ft.pipeline.precision`),
+evaluation (:mod:`~pipedream_ft.pipeline.evaluate`) and the final model (:mod:`~pipedream_ft.pipeline.export`).
 """
 
 from __future__ import annotations
@@ -50,17 +55,24 @@ from .observe.hooks import MetricsHook, ProgressHook, TimelineHook
 from .observe.metrics import MetricsWriter, summary_table
 from .observe.timeline import TimelineRecorder
 from .pipeline.comm import Messenger, PeerTimeoutError
+from .pipeline.data import CallableFeed, DataComponent, StreamFeed, target_links, training_feed
+from .pipeline.evaluate import EvalResult, MetricFn, evaluate
 from .pipeline.executor import DataFn, Executor, RankStats
+from .pipeline.export import save_model
 from .pipeline.group import CommGroup
 from .pipeline.hooks import HookList, Hooks
 from .pipeline.modes import MODES, Mode, make_mode
+from .pipeline.precision import LossScale, LossScaler, autocast_context, check_autocast
 from .pipeline.schedule import Action
+from .pipeline.scheduler import SchedulerFactory, attach_scheduler
 from .pipeline.stage import build_stage, executed_layers, model_layers
 from .pipeline.state import StageState
+from .pipeline.stepper import Stepper
 from .pipeline.tied import TiedParameters, find_tied, tie_declared
 from .pipeline.topology import Topology
 
-__all__ = ["MODES", "PipelineConfig", "RankStats", "TrainResult", "PipelineTrainer", "release_all"]
+__all__ = ["MODES", "EvalResult", "LossScale", "PipelineConfig", "RankStats", "TrainResult", "PipelineTrainer",
+           "release_all"]
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +108,14 @@ class PipelineConfig:
     recovery_timeout_s: float = 120.0
     """In-place recovery: the longest the ranks wait for the group to form again before giving up (then the
     processes stop and torchrun restarts them all)."""
+    clip_grad_norm: float | None = None
+    """Clip gradients to this 2-norm: per stage in the asynchronous modes, by the whole model's norm in
+    ``"flush"`` mode (see :mod:`pipedream_ft.pipeline.stepper`)."""
+    autocast_dtype: torch.dtype | None = None
+    """Run forwards under ``torch.autocast`` with this dtype: ``torch.bfloat16``, or ``torch.float16`` in
+    ``"flush"`` mode only, with loss scaling (see :mod:`pipedream_ft.pipeline.precision`)."""
+    loss_scale: LossScale = field(default_factory=LossScale)
+    """How the float16 loss scale starts and moves."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -106,6 +126,9 @@ class PipelineConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {self.backend!r}")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be > 0, got {self.clip_grad_norm}")
+        check_autocast(self.autocast_dtype, self.mode)
 
 
 @dataclass(slots=True)
@@ -138,7 +161,8 @@ class PipelineTrainer:
 
     ``model`` is the whole model (an ``nn.Sequential`` or an fx-traceable module) or a zero-argument factory
     for it; only this rank's layers are kept. ``optimizer_factory(params)`` builds the stage's optimizer (it is
-    not called for a stage without parameters). ``profile`` (the model's profile) lets a job whose world size
+    not called for a stage without parameters); ``scheduler_factory(optimizer)``, if given, builds its LR
+    scheduler, stepped after every update. ``profile`` (the model's profile) lets a job whose world size
     changed re-plan; with checkpointing it is also stored beside the checkpoints, so later attempts can re-plan
     without it. A parameter used by layers of several stages (tied embeddings) is kept equal on all of them
     (see :mod:`pipedream_ft.pipeline.tied`); ``tied_parameters`` also ties groups of distinct parameters by
@@ -158,6 +182,7 @@ class PipelineTrainer:
         checkpoint: CheckpointConfig | None = None,
         extra_state: dict[str, Any] | None = None,
         profile: Profile | None = None,
+        scheduler_factory: SchedulerFactory | None = None,
         tied_parameters: Sequence[Sequence[str]] = (),
     ) -> None:
         self.config = config = config or PipelineConfig()
@@ -198,6 +223,18 @@ class PipelineTrainer:
         del ml, model
         self.state = StageState(module, optimizer_factory, stage=topo.stage, replica=topo.replica,
                                 keep=self.mode.versions_kept(topo), extra=extra_state, tied=tied)
+        if tied is not None and scheduler_factory is not None:
+            tied.attach_schedulers(scheduler_factory)
+        scheduler = attach_scheduler(self.state, scheduler_factory, optimizer_factory)
+        self.scheduler: Any = scheduler.scheduler if scheduler is not None else None
+        """This stage's LR scheduler (``None`` without ``scheduler_factory`` or parameters)."""
+        self.scaler = LossScaler(config.loss_scale) if config.autocast_dtype == torch.float16 else None
+        if self.scaler is not None:
+            self.state.components["loss_scale"] = self.scaler
+        self.data_state = DataComponent()
+        if topo.is_first:
+            self.state.components["data"] = self.data_state
+        self._feed: CallableFeed | StreamFeed | None = None
         self.loss_fn = loss_fn
         self.in_place = env.recovery == "in-place"
         if self.in_place and checkpoint is None:
@@ -213,6 +250,13 @@ class PipelineTrainer:
         self.messenger: Messenger | None = None
         self.executor = Executor(topo, self.state, self.mode, device=self.device, loss_fn=loss_fn, seed=config.seed,
                                  hooks=self.hooks)
+        self.stepper = Stepper(self.state, topo=topo, synchronous=not self.mode.asynchronous,
+                               messenger=self.messenger, clip_grad_norm=config.clip_grad_norm, scaler=self.scaler,
+                               scheduler=scheduler)
+        self.executor.step = self.stepper.step
+        self.executor.autocast = autocast_context(config.autocast_dtype, self.device)
+        if self.scaler is not None:
+            self.executor.loss_factor = lambda: self.scaler.scale  # type: ignore[union-attr]
         self.ckpt: Checkpointer | None = None
         if checkpoint is not None:
             self.ckpt = Checkpointer(checkpoint, topo=topo, mode=self.mode, state=self.state,
@@ -291,7 +335,7 @@ class PipelineTrainer:
         topo = self.topo
         group = CommGroup(store, rank=self.env.rank, world_size=self.env.world_size, backend=self.backend,
                           device=self.device, timeout_s=self.config.timeout_s,
-                          links=(topo.links() + (self.state.tied.links() if self.state.tied else []))
+                          links=(topo.links() + target_links(topo) + (self.state.tied.links() if self.state.tied else []))
                           if self.backend == "nccl" else (),
                           replica_ranks=topo.stage_ranks if len(topo.stage_ranks) > 1 else None)
         self.timeline["joined"] = time.time()
@@ -303,6 +347,7 @@ class PipelineTrainer:
         self.group = group
         self.messenger = Messenger(group, self.config.timeout_s)
         self.executor.attach(self.messenger)
+        self.stepper.messenger = self.messenger
         if self.ckpt is not None:
             self.ckpt.attach(group)
 
@@ -361,6 +406,12 @@ class PipelineTrainer:
         formed = self._form_and_restore()
         record.update(formed=time.time(), epoch=formed.epoch, cut=formed.cut)
         self.executor.rewind(formed.cut)
+        feed = self._feed
+        if isinstance(feed, StreamFeed):  # stage 0 reads the source again from the restored state
+            assert self.messenger is not None
+            feed.rewind(self.messenger)
+            if self.topo.is_first:
+                self.data_state.attach(feed, self.position)
         record["restored"] = time.time()
         self.redone = max(0, reached + 1 - formed.cut) if self.topo.is_last else self.redone
         self.hooks.on_event("recovered", epoch=formed.epoch, cut=formed.cut,
@@ -447,25 +498,37 @@ class PipelineTrainer:
 
     # -- training -------------------------------------------------------------------------------------------
 
-    def preflight(self, data: DataFn) -> None:
+    def _feed_for(self, data: Any, steps: int) -> CallableFeed | StreamFeed:
+        self._feed = training_feed(data, self._feed, topo=self.topo, messenger=self.messenger,
+                                   component=self.data_state, position=self.position, steps=steps,
+                                   checkpointing=self.ckpt is not None)
+        return self._feed
+
+    def preflight(self, data: DataFn | Any) -> None:
         """Check every stage on one minibatch before training (see :meth:`Executor.preflight`). A collective."""
-        self.executor.preflight(data)
+        feed = self._feed_for(data, 0)
+        feed.prepare(self.position)
+        self.executor.preflight(feed)
 
     def schedule(self, start: int, stop: int) -> list[Action]:
         return self.mode.schedule(self.topo, start, stop)
 
-    def train(self, data: DataFn, steps: int) -> TrainResult:
+    def train(self, data: DataFn | Any, steps: int) -> TrainResult:
         """Train minibatches ``position .. position + steps - 1`` and drain the pipeline. A collective.
 
-        ``steps`` counts minibatches (PipeDream's unit of work; in ``"flush"`` mode, ``flush_every`` of them
-        make one optimizer step) and must be a multiple of the mode's window (every stage's replica count).
-        With in-place recovery a peer's failure does not end the call: the ranks fall back to the newest cut
-        they can all restore and go on (see :mod:`pipedream_ft.ft.recovery`).
+        ``data`` is a callable ``data(b) -> (inputs, targets)``, a ``DataLoader``, torchdata's
+        ``StatefulDataLoader`` or any iterable of ``(inputs, targets)`` minibatches (see
+        :mod:`pipedream_ft.pipeline.sources`); every rank passes its own, identical one. ``steps`` counts
+        minibatches (PipeDream's unit of work; in ``"flush"`` mode, ``flush_every`` of them make one optimizer
+        step) and must be a multiple of the mode's window (every stage's replica count). With in-place recovery
+        a peer's failure does not end the call: the ranks fall back to the newest cut they can all restore and
+        go on (see :mod:`pipedream_ft.ft.recovery`).
         """
         window = self.mode.window(self.topo)
         if steps < 0 or steps % window:
             raise ValueError(f"steps must be a non-negative multiple of {window} for this plan and mode, got {steps}")
         ex = self.executor
+        self._feed_for(data, steps)
         start, stop = self.position, self.position + steps
         t0 = time.perf_counter()
         ex.losses = []
@@ -492,8 +555,11 @@ class PipelineTrainer:
         by the time the caller recovers)."""
         ex = self.executor
         try:
+            feed = self._feed
+            assert feed is not None
             if not ex.preflight_done:
-                ex.preflight(data)
+                feed.prepare(self.position)
+                ex.preflight(feed)
             actions = self.schedule(self.position, stop)
             forwards = [i for i, a in enumerate(actions) if a.kind == "F"]
             nxt = 0  # first forward at or after the current action
@@ -505,7 +571,7 @@ class PipelineTrainer:
                     ex.post_activation_recv(actions[j].index)
                 self.hooks.on_action(action)
                 if action.kind == "F":
-                    ex.forward(action.index, data)
+                    ex.forward(action.index, feed)
                 elif action.kind == "B":
                     ex.backward(action.index)
                 else:
@@ -529,7 +595,7 @@ class PipelineTrainer:
         if self.env.rank == 0:
             print(summary_table(rows), flush=True)
 
-    def fit(self, data: DataFn, total: int) -> TrainResult:
+    def fit(self, data: DataFn | Any, total: int) -> TrainResult:
         """Train until ``total`` minibatches are done in all, continuing from a resumed checkpoint's position;
         then wait for pending checkpoints to commit. A collective."""
         result = self.train(data, max(0, total - self.position))
@@ -550,12 +616,18 @@ class PipelineTrainer:
             out.update(part or {})
         return out
 
-    def save_model(self, path: str) -> None:
-        """Gather the whole model's weights and save them (rank 0 writes) with ``torch.save``. A collective."""
-        state = self.full_state_dict()
-        if self.env.rank == 0:
-            torch.save(state, path)
-        self.group.barrier()
+    def evaluate(self, data: DataFn | Any, steps: int, metric_fn: MetricFn | None = None) -> EvalResult:
+        """Mean loss (and ``metric_fn(outputs, targets)`` per minibatch) of minibatches ``0 .. steps - 1`` of
+        ``data``, forward only, in eval mode, with the current weights, changing nothing (see
+        :mod:`pipedream_ft.pipeline.evaluate`); between :meth:`train` calls. A collective."""
+        return evaluate(self.executor, data, steps, metric_fn,
+                        training_source=self._feed.source if self._feed is not None else None)
+
+    def save_model(self, path: str, format: str = "torch") -> None:
+        """Gather the whole model's weights onto rank 0, which writes them to ``path`` as ``"torch"``
+        (``torch.save``) or ``"safetensors"``; the plain model's ``load_state_dict(strict=True)`` accepts the
+        file (see :mod:`pipedream_ft.pipeline.export`). A collective."""
+        save_model(self.messenger, self.state.module, replica=self.topo.replica, path=path, format=format)
 
     def close(self) -> None:
         """Wait for pending checkpoint commits, stop the background threads, close the traces, and shut this

@@ -4,12 +4,15 @@ The executor runs the actions a :class:`~pipedream_ft.pipeline.modes.Mode` sched
 :class:`~pipedream_ft.pipeline.state.StageState`, talking to its neighbours through a
 :class:`~pipedream_ft.pipeline.comm.Messenger`:
 
-* ``F b``: read the inputs (stage 0: ``data(b)``; else: the activations of ``b`` from the previous stage), run
-  the stage with the weight version the mode picks, with the RNG seeded from (seed, stage, ``b``); send the
-  outputs on (the last stage computes the loss).
+* ``F b``: read the inputs (stage 0: from the feed, see :mod:`pipedream_ft.pipeline.data`; else: the
+  activations of ``b`` from the previous stage), run the stage with the weight version the mode picks, with the
+  RNG seeded from (seed, stage, ``b``), under :attr:`Executor.autocast`; send the outputs on (the last stage
+  computes the loss, with the targets from the feed).
 * ``B b``: differentiate with respect to that same version and the inputs; accumulate the parameter gradients;
   send the input gradients back.
-* ``U j``: all-reduce gradients among the stage's replicas, step the optimizer, publish a new weight version.
+* ``U j``: all-reduce gradients among the stage's replicas, apply them (:attr:`Executor.step`: the optimizer step,
+  or :class:`~pipedream_ft.pipeline.stepper.Stepper`'s clipping, loss scaling and LR schedule), publish a new
+  weight version.
 
 **Cuts.** A minibatch can carry *cut flags* in its activation header: stage 0 asks ``decide(b)`` at its forward
 of ``b``, and a non-zero answer marks a cut at ``b + 1`` that travels with the activations to every later
@@ -20,9 +23,10 @@ nobody stopping to agree.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
 from torch.func import functional_call
@@ -50,6 +54,14 @@ DURABLE = 8
 
 DataFn = Callable[[int], tuple[Any, Any]]
 """``data(b) -> (inputs, targets)`` of minibatch ``b``; every rank must see the same stream."""
+
+
+class Feed(Protocol):
+    """What the executor reads minibatches from (see :mod:`pipedream_ft.pipeline.data`)."""
+
+    def inputs(self, b: int, *, preflight: bool = False) -> Any: ...
+
+    def targets(self, b: int, *, preflight: bool = False) -> Any: ...
 
 
 @dataclass(slots=True)
@@ -142,6 +154,12 @@ class Executor:
         self._act_recv: dict[int, RecvHandle] = {}
         self._generator = torch.cuda.default_generators[self.device.index or 0] if self.device.type == "cuda" \
             else torch.default_generator
+        self.step: Callable[[], None] = self._step
+        """Applies the summed gradients: the optimizer step (then ``zero_grad``) unless replaced."""
+        self.autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+        """The context of every forward and loss (mixed precision, :mod:`pipedream_ft.pipeline.precision`)."""
+        self.loss_factor: Callable[[], float] = lambda: 1.0
+        """A further factor on each loss before its backward (the float16 loss scale)."""
 
     def attach(self, messenger: Messenger | None) -> None:
         """Talk through ``messenger`` (the current epoch's); ``None`` lets go of the previous one."""
@@ -170,7 +188,7 @@ class Executor:
 
     # -- pre-flight -----------------------------------------------------------------------------------------
 
-    def preflight(self, data: DataFn) -> None:
+    def preflight(self, data: Feed) -> None:
         """Push one minibatch forward through every stage (no gradients, eval mode) before training.
 
         Every link learns its tensor shapes and the structure of the values crossing it, and a stage that
@@ -187,7 +205,7 @@ class Executor:
         try:
             module.eval()
             if topo.is_first:
-                inputs = self._model_inputs(data(self.state.position)[0])
+                inputs = self._model_inputs(data.inputs(self.state.position, preflight=True))
             else:
                 received = []
                 for peer in topo.peers(topo.stage - 1):
@@ -201,10 +219,11 @@ class Executor:
                         received.append(upstream.join(tensors))
                 inputs = received[0] if received else []
             if not failed_upstream:
-                with torch.no_grad():
+                with torch.no_grad(), self.autocast():
                     out = module(*inputs)
+                    if topo.is_last:
+                        loss = self.loss_fn(out, self._to_device(data.targets(self.state.position, preflight=True)))
                 if topo.is_last:
-                    loss = self.loss_fn(out, self._to_device(data(self.state.position)[1]))
                     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
                         raise PipelineSetupError(f"loss_fn must return a scalar tensor, got {loss!r:.80}")
                 else:
@@ -252,13 +271,13 @@ class Executor:
         if flags & STOP:
             self.stop_at = b + 1
 
-    def forward(self, b: int, data: DataFn) -> None:
+    def forward(self, b: int, data: Feed) -> None:
         if self.stop_at is not None and b >= self.stop_at:
             return  # the job stops at the cut before: this minibatch is for the next attempt
         topo, state = self.topo, self.state
         leaves: list[torch.Tensor] = []
         if topo.is_first:
-            inputs = self._model_inputs(data(b)[0])
+            inputs = self._model_inputs(data.inputs(b))
             flags = self.decide(b) if self.decide is not None else 0
             if flags & CUT:
                 self._cut(b, flags)
@@ -286,16 +305,19 @@ class Executor:
         saved = gen.get_state()
         gen.manual_seed(mix_seed(self.seed, topo.stage, b))  # this forward's RNG, reproducible
         try:
-            out = functional_call(state.module, params, tuple(inputs))
+            with self.autocast():
+                out = functional_call(state.module, params, tuple(inputs))
         finally:
             gen.set_state(saved)  # the caller's RNG stream is left as it was
         loss = None
         outputs: list[torch.Tensor] = []
         grad_recv = None
         if topo.is_last:
-            loss = self.loss_fn(out, self._to_device(data(b)[1]))
+            targets = self._to_device(data.targets(b))
+            with self.autocast():
+                loss = self.loss_fn(out, targets)
             self.losses.append((b, float(loss.detach())))
-            scale = self.mode.loss_scale()
+            scale = self.mode.loss_scale() * self.loss_factor()
             if scale != 1.0:
                 loss = loss * scale
         else:
@@ -379,9 +401,7 @@ class Executor:
             if marks and not flags:
                 # the replica that ran the marked minibatch tells the others through the all-reduce
                 flags = self.cuts[round_end] = marks
-        if state.optimizer is not None:
-            state.optimizer.step()
-            state.optimizer.zero_grad(set_to_none=True)
+        self.step()
         state.versions.publish()
         if state.tied:
             state.tied.on_update(round_)
@@ -392,6 +412,11 @@ class Executor:
         if flags and self.on_cut is not None:
             del self.cuts[round_end]
             self.on_cut(round_end, flags)
+
+    def _step(self) -> None:
+        if self.state.optimizer is not None:
+            self.state.optimizer.step()
+            self.state.optimizer.zero_grad(set_to_none=True)
 
     def _note_stash(self) -> None:
         versions = self.state.versions
