@@ -111,7 +111,8 @@ def feature_case(spec: dict[str, Any]) -> dict[str, Any]:
     config = PipelineConfig(mode=spec.get("mode", "stash"), flush_every=spec.get("flush_every", 4), timeout_s=60,
                             summary=False, clip_grad_norm=spec.get("clip"), autocast_dtype=DTYPES[spec.get("autocast")],
                             loss_scale=LossScale(**spec.get("loss_scale", {})))
-    checkpoint = CheckpointConfig(url=spec["url"], policy=EveryNSteps(spec.get("every", 8))) if spec.get("url") else None
+    checkpoint = CheckpointConfig(url=spec["url"], policy=EveryNSteps(spec.get("every", 8)),
+                                  defer_when_behind=False) if spec.get("url") else None
     sched = spec.get("sched")
     trainer = PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy,
                               optimizer_factory=OPTIMIZERS[spec.get("opt", "sgd")], config=config,

@@ -92,6 +92,10 @@ class CheckpointConfig:
     """Time a preemption notice leaves before the machine goes away."""
     commit_timeout_s: float = 120.0
     """A checkpoint whose parts are not all durable this long after it was taken is given up."""
+    defer_when_behind: bool = True
+    """Defer a due checkpoint while the previous one of its tier is still being written (storage slower than the
+    interval: the policy stretches the interval and logs it). ``False``: take every checkpoint the policy asks
+    for, waiting for storage if it must (saves are never dropped either way)."""
 
     def __post_init__(self) -> None:
         if self.url is not None and not self.url:
@@ -245,9 +249,10 @@ class Checkpointer:
                 policy.reset(time.monotonic(), cut)
 
     def resume(self) -> int | None:
-        """At start: load the newest cut every rank can restore from some tier (its part verified), or, failing
-        that, the newest durable checkpoint of another plan of the same model (resharded). Returns the position to
-        continue from, or ``None``. A collective."""
+        """At start: load the newest checkpoint the ranks can all restore — a cut of this plan that every rank has
+        in some tier (its part verified), or a durable checkpoint of another plan of this model (an elastic
+        resize: resharded by layer), whichever is newer; older ones if a part does not verify. Returns the
+        position to continue from, or ``None``. A collective."""
         if not self.config.resume:
             return None
         assert self.group is not None
@@ -255,68 +260,76 @@ class Checkpointer:
         common = set(mine)
         for cuts in self.group.all_gather_object(mine):
             common &= set(cuts)
-        for cut in sorted(common, reverse=True):
-            part, problem = None, ""
-            try:
-                part = self.load(cut)
-            except CheckpointError as exc:
-                problem = str(exc)
-            bad = [p for p in self.group.all_gather_object(problem) if p]
-            if bad:
-                log.warning("checkpoint %d is not usable (%s); trying an older one", cut, bad[0])
-                continue
-            assert part is not None
-            self.state.restore(part)
-            self.restored(cut)
-            return cut
-        return self._resume_resharded()
+        others: list[int] = []
+        if self.storage is not None:
+            committed = self.group.all_gather_object(list_committed(self.storage) if self.topo.rank == 0 else None)[0]
+            others = [step for step in committed if step not in common]
+        for step, same in sorted([(c, True) for c in common] + [(c, False) for c in others], reverse=True):
+            start = self._restore_same(step) if same else self._restore_resharded(step)
+            if start is not None:
+                self.restored(start)
+                return start
+        return None
 
-    def _resume_resharded(self) -> int | None:
-        """The newest durable checkpoint written under another plan of this model, gathered by layer."""
-        if self.storage is None:
-            return None
+    def _restore_same(self, cut: int) -> int | None:
+        """Load this rank's part of ``cut`` (written under this plan); ``None`` if some rank's part does not verify."""
         assert self.group is not None
+        part, problem = None, ""
+        try:
+            part = self.load(cut)
+        except CheckpointError as exc:
+            problem = str(exc)
+        bad = [p for p in self.group.all_gather_object(problem) if p]
+        if bad:
+            log.warning("checkpoint %d is not usable (%s); trying an older one", cut, bad[0])
+            return None
+        assert part is not None
+        self.state.restore(part)
+        return cut
+
+    def _restore_resharded(self, step: int) -> int | None:
+        """Gather this stage's layers from durable checkpoint ``step`` (another plan of this model); ``None`` if
+        it is of this plan or some part does not verify. Returns the position to continue from."""
+        assert self.storage is not None and self.group is not None
         topo = self.topo
-        committed = self.group.all_gather_object(list_committed(self.storage) if topo.rank == 0 else None)[0]
-        for step in reversed(committed):
-            parts: list[dict[str, Any]] = []
-            problem = ""
-            try:
-                record = read_commit(self.storage, step)
-                meta = record.metadata
-                if meta.get("plan_hash") == self.plan_hash:
-                    continue  # the same plan: tried above (a part did not verify)
-                if meta.get("profile_hash") != topo.plan.profile_hash or "stages" not in meta:
-                    raise CheckpointError(
-                        f"checkpoint {step} in {self.storage.url} was written for another model (profile hash "
-                        f"{str(meta.get('profile_hash'))[:12]}, this model's {topo.plan.profile_hash[:12]}); "
-                        "use another checkpoint directory"
-                    )
+        parts: list[dict[str, Any]] = []
+        problem = ""
+        record = None
+        try:
+            record = read_commit(self.storage, step)
+            meta = record.metadata
+            if meta.get("plan_hash") == self.plan_hash:
+                problem = f"checkpoint {step}: a part of this plan is missing from the faster tiers' agreement"
+            elif meta.get("profile_hash") != topo.plan.profile_hash or "stages" not in meta:
+                raise CheckpointError(
+                    f"checkpoint {step} in {self.storage.url} was written for another model (profile hash "
+                    f"{str(meta.get('profile_hash'))[:12]}, this model's {topo.plan.profile_hash[:12]}); "
+                    "use another checkpoint directory"
+                )
+            else:
                 mine = set(topo.layers)
                 for index, (layers, _replicas) in enumerate(meta["stages"]):
-                    if mine & set(layers) or (index == 0 and self.state.extra):
+                    if mine & set(layers) or (index == 0 and (self.state.extra or self.state.components)):
                         parts.append(load_part(self.storage, step, part_name(index, 0), record=record))
-            except CorruptCheckpointError as exc:
-                problem = str(exc)
-            bad = [p for p in self.group.all_gather_object(problem) if p]
-            if bad:
-                log.warning("checkpoint %d is not usable (%s); trying an older one", step, bad[0])
-                continue
-            start = self.state.reshard(parts, step, updates_per_round=self.mode.update_unit(topo),
-                                       window=self.window)
-            if topo.rank == 0:
-                if start != step:
-                    log.warning("the new plan's replica counts need a start at a multiple of %d: minibatches "
-                                "%d..%d are skipped", self.window, step, start - 1)
-                old = record.metadata["stages"]
-                msg = (f"checkpoint {step} was written by a {len(old)}-stage plan on "
-                       f"{record.metadata.get('world_size')} workers; resharded into "
-                       f"{topo.num_stages} stages on {topo.world_size} workers")
-                log.warning(msg)
-                print(f"pipedream-ft: {msg}", flush=True)
-            self.restored(start)
-            return start
-        return None
+        except CorruptCheckpointError as exc:
+            problem = str(exc)
+        bad = [p for p in self.group.all_gather_object(problem) if p]
+        if bad:
+            log.warning("checkpoint %d is not usable (%s); trying an older one", step, bad[0])
+            return None
+        assert record is not None
+        start = self.state.reshard(parts, step, updates_per_round=self.mode.update_unit(topo), window=self.window)
+        if topo.rank == 0:
+            if start != step:
+                log.warning("the new plan's replica counts need a start at a multiple of %d: minibatches "
+                            "%d..%d are skipped", self.window, step, start - 1)
+            old = record.metadata["stages"]
+            msg = (f"checkpoint {step} was written by a {len(old)}-stage plan on "
+                   f"{record.metadata.get('world_size')} workers; resharded into "
+                   f"{topo.num_stages} stages on {topo.world_size} workers")
+            log.warning(msg)
+            print(f"pipedream-ft: {msg}", flush=True)
+        return start
 
     # -- deciding (stage 0) ---------------------------------------------------------------------------------
 
@@ -342,12 +355,14 @@ class Checkpointer:
         flags = 0
         # busy: this rank's previous save is not durable yet (storage is not keeping up); a pending commit, which
         # waits for the other ranks' parts, does not count
-        busy = self.last_saved >= 0 and (self.writer is not None and (self.writer.last_durable or -1) < self.last_saved)
+        defer = self.config.defer_when_behind
+        busy = defer and self.last_saved >= 0 and self.writer is not None \
+            and (self.writer.last_durable or -1) < self.last_saved
         if self.writer is not None and self.config.policy.should_save(cut, now, busy=busy):
             flags |= CUT | DURABLE
         memory_policy = self.config.memory_policy
         if self.memory is not None and memory_policy is not None \
-                and memory_policy.should_save(cut, now, busy=self.memory.backlog > 0):
+                and memory_policy.should_save(cut, now, busy=defer and self.memory.backlog > 0):
             flags |= CUT
         if flags:
             self.last_cut = cut
