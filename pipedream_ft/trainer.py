@@ -356,6 +356,9 @@ class PipelineTrainer:
         every rank still waiting on this one fails at once and joins the recovery too."""
         self.executor.abandon()
         self.executor.attach(None)
+        self.stepper.messenger = None  # type: ignore[assignment]
+        if self._feed is not None and hasattr(self._feed, "messenger"):
+            self._feed.messenger = None
         self.messenger = None
         group, self.group = self.group, None
         if group is not None:
@@ -368,15 +371,17 @@ class PipelineTrainer:
         if self.messenger is not None:
             self.messenger.flush()
 
-    def _form_and_restore(self) -> Formed:
-        """Form the next epoch with every rank, restore the cut it agrees on, and build its groups."""
+    def _form_and_restore(self, record: dict[str, Any] | None = None) -> Formed:
+        """Form the next epoch with every rank, restore the cut it agrees on, and build its groups. The times the
+        group was formed and the state restored go to ``record`` (default: the process's timeline)."""
         assert self.membership is not None and self.ckpt is not None
         ckpt = self.ckpt
+        record = self.timeline if record is None else record
         while True:
-            self.timeline.setdefault("joining", time.time())
+            record.setdefault("joining", time.time())
             formed = self.membership.form(
                 lambda: [c for c in ckpt.restorable_cuts() if c not in self._bad_cuts])
-            self.timeline.setdefault("formed", time.time())
+            record["formed"] = time.time()
             part: dict[str, Any] | None = None
             try:
                 part = ckpt.load(formed.cut)
@@ -403,8 +408,8 @@ class PipelineTrainer:
         self.membership.report_failure()
         self._release()
         reached = max([b for b, _ in self.executor.losses], default=self.position)
-        formed = self._form_and_restore()
-        record.update(formed=time.time(), epoch=formed.epoch, cut=formed.cut)
+        formed = self._form_and_restore(record)
+        record.update(epoch=formed.epoch, cut=formed.cut)
         self.executor.rewind(formed.cut)
         feed = self._feed
         if isinstance(feed, StreamFeed):  # stage 0 reads the source again from the restored state
