@@ -423,6 +423,11 @@ class PipelineTrainer:
                             seconds=record["restored"] - record["failed"])
         log.warning("rank %d: recovered in place in %.2fs: epoch %d, continuing from minibatch %d", self.env.rank,
                     record["restored"] - record["failed"], formed.epoch, formed.cut)
+        if self.env.rank == 0:
+            replaced = sorted(r for r, rec in formed.records.items() if rec["incarnation"] > 0)
+            print(f"pipedream-ft: recovered in place in {record['restored'] - record['failed']:.2f}s "
+                  f"(epoch {formed.epoch}; processes replaced so far: ranks {replaced}); continuing from "
+                  f"checkpoint {formed.cut}", flush=True)
 
     def _add_observers(self) -> None:
         config, env, topo = self.config, self.env, self.topo
@@ -431,7 +436,8 @@ class PipelineTrainer:
                                         topo.stage))
         if config.trace_dir:
             self.hooks.add(TimelineHook(TimelineRecorder(config.trace_dir, rank=env.rank, stage=topo.stage,
-                                                         replica=topo.replica, attempt=env.restart_count),
+                                                         replica=topo.replica, attempt=env.restart_count,
+                                                         process=env.incarnation),
                                         topo.replica))
         if config.metrics_dir:
             self.hooks.add(MetricsHook(MetricsWriter(config.metrics_dir, env.rank), rank=env.rank, stage=topo.stage,
@@ -449,7 +455,8 @@ class PipelineTrainer:
         return losses[-1][1] if self.topo.is_last and losses else None
 
     def _metrics_extra(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"restarts": self.env.restart_count, "redone": self.redone}
+        out: dict[str, Any] = {"restarts": self.env.restart_count, "redone": self.redone,
+                               "recoveries": self.membership.epoch if self.membership is not None else 0}
         if self.ckpt is not None:
             out.update(self.ckpt.metrics())
         return out
