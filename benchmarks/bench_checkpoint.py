@@ -148,9 +148,8 @@ def _rank_main(cfg: RunConfig) -> dict[str, Any]:
 
     from ft_bench_worker import make_data, make_optimizer, mlp, mlp_plan
     from pipedream_ft.checkpoint import SaveHandle, immutable, list_committed, read_commit
-    from pipedream_ft.checkpointing import CheckpointConfig
     from pipedream_ft.policies import EveryNSteps, Never
-    from pipedream_ft.runtime import PipelineConfig, PipelineTrainer
+    from pipedream_ft import CheckpointConfig, PipelineConfig, PipelineTrainer
 
     torch.set_num_threads(1)
     stamps: list[float] = []
@@ -192,7 +191,6 @@ def _rank_main(cfg: RunConfig) -> dict[str, Any]:
     holder["writer"] = writer
     handles: list[tuple[float, Any]] = []
     save = writer.save
-    checked: list[bool] = []
 
     observed: set[int] = set()
 
@@ -203,19 +201,8 @@ def _rank_main(cfg: RunConfig) -> dict[str, Any]:
                 observed.add(h.step)
 
     def pdft_save(step: int, state: Any, metadata: Any = None) -> Any:
-        # What the runtime should pass: versions are immutable, and the live parameters equal the newest
-        # version right after the update (checked once here), so reference that instead of copying them.
-        stage_state = getattr(trainer, "state", None)  # the restructured runtime keeps them in trainer.state
-        versions = stage_state.versions if stage_state is not None else trainer.versions
-        names = stage_state.param_names if stage_state is not None else trainer._param_names
-        current = versions.current.tensors
-        model_sd = state["model"]
-        if not checked:
-            assert all(torch.equal(model_sd[n], t) for n, t in zip(names, current))
-            checked.append(True)
-        for n, t in zip(names, current):
-            model_sd[n] = immutable(t.detach())  # parameters only: buffers (BatchNorm stats) are mutable
-        state = {**state, "model": model_sd, "versions": immutable(state["versions"])}
+        # the runtime marks the weight versions (and the parameters, which equal the newest one) immutable:
+        # the snapshot references them instead of copying
         begun = time.time()
         handle = save(step, state, metadata)
         handles.append((begun, handle))

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from pipedream_ft.checkpoint import (
+    CheckpointError,
     CheckpointWriter,
     CorruptCheckpointError,
     DurableTier,
@@ -210,6 +211,10 @@ def test_restore_takes_the_newest_verifiable_tier(tmp_path) -> None:
     shm.destroy()
     assert load_newest(tiers, "a", [10, 12, 14])[:2] == (10, "durable")  # type: ignore[index]
     assert load_newest(tiers, "b", [10]) is None
+    with pytest.raises(CheckpointError, match="read-only"):
+        DurableTier(storage).put(20, "a", b"x", "0")
+    with pytest.raises(CheckpointError, match="read-only"):
+        DurableTier(storage).keep_last(1)
     fast.close()
 
 

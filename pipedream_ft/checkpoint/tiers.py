@@ -83,7 +83,8 @@ class DurableTier(Tier):
         self.storage = storage
 
     def put(self, step: int, part: str, data: Buffers | bytes, checksum: str) -> None:
-        raise NotImplementedError("write the durable tier with CheckpointWriter (it commits)")
+        raise CheckpointError(f"the durable tier is read-only here (step {step}, part {part!r}): write it with "
+                              "CheckpointWriter, whose commit protocol makes a step complete")
 
     def steps(self, parts: Sequence[str]) -> list[int]:
         return list_committed(self.storage)
@@ -92,7 +93,8 @@ class DurableTier(Tier):
         return load_part(self.storage, step, part)
 
     def keep_last(self, k: int, parts: Sequence[str] | None = None) -> None:
-        raise NotImplementedError("the committer's CheckpointWriter(keep=) collects the durable tier")
+        raise CheckpointError(f"the durable tier is read-only here (keep_last({k})): CheckpointWriter(keep=) "
+                              "collects old commits")
 
 
 def available_steps(tiers: Iterable[Tier], part: str) -> dict[str, list[int]]:
