@@ -94,11 +94,19 @@ def test_unwritable_directory_under_a_regular_file(tmp_path) -> None:
     assert info.value.__cause__ is None and info.value.__suppress_context__
 
 
-@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root ignores directory permissions")
-def test_unwritable_directory_permissions(tmp_path) -> None:
+def test_unwritable_directory_permissions(tmp_path, monkeypatch) -> None:
     d = tmp_path / "ro"
     d.mkdir()
     d.chmod(0o500)
+    if os.geteuid() == 0:  # root writes through directory permissions: refuse the write as the kernel would
+        real_open = os.open
+
+        def refusing_open(path, flags, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if str(path).startswith(str(d)) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", refusing_open)
     try:
         with pytest.raises(CheckpointError, match="permission denied"):
             Storage(str(d), retry=FAST_RETRY).check_writable()
