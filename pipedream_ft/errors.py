@@ -7,8 +7,8 @@ import os
 import sys
 from typing import Any, Callable
 
-__all__ = ["EXIT_PREEMPTED", "EXIT_RECOVERY_FAILED", "EXIT_REPLAN", "EXIT_RUNTIME", "EXIT_SETUP", "PipelineError",
-           "PipelineSetupError", "exit_on_error", "run_reporting_errors"]
+__all__ = ["EXIT_PREEMPTED", "EXIT_RECOVERY_FAILED", "EXIT_REPLAN", "EXIT_RUNTIME", "EXIT_SETUP", "JobError",
+           "PipelineError", "PipelineSetupError", "exit_on_error", "run_reporting_errors"]
 
 
 class PipelineError(RuntimeError):
@@ -17,6 +17,12 @@ class PipelineError(RuntimeError):
 
 class PipelineSetupError(PipelineError):
     """The pipeline cannot start: the same message is raised on every rank before training begins."""
+
+
+class JobError(PipelineSetupError):
+    """An error found by one rank while training that would happen again after any recovery (a data source
+    that ended, a minibatch of the wrong kind): the rank publishes it to the group and every rank stops with
+    the same message and :data:`EXIT_SETUP`, instead of recovering from it."""
 
 
 EXIT_RUNTIME = 1

@@ -42,7 +42,7 @@ from profiler.profile import Profile
 
 from .checkpoint import Storage
 from .env import DistEnv, read_env
-from .errors import PipelineSetupError
+from .errors import JobError, PipelineSetupError
 from .checkpoint import CheckpointError
 from .ft.checkpointer import CheckpointConfig, Checkpointer, plan_hash
 from .ft.coordination import LiveGroup
@@ -650,7 +650,13 @@ class PipelineTrainer:
             self.hooks.on_event("draining")
             self._flush_sends()
             return None
+        except PipelineSetupError as exc:  # found here; any recovery would meet it again: the whole group stops
+            self.coordinator.publish_job_error(str(exc))
+            raise
         except PeerTimeoutError as exc:
+            error = self.coordinator.job_error()
+            if error is not None:
+                raise JobError(error) from None
             if self.membership is None:
                 raise
             return str(exc)

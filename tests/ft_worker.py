@@ -21,6 +21,24 @@ from torch import nn  # noqa: E402
 from runtime_cases import adam, data, mlp, plan_for  # noqa: E402
 
 
+class EndingSource:
+    """A resumable stream of minibatches with no len(): the trainer learns that it ended only when it does."""
+
+    def __init__(self, fn, n: int) -> None:
+        self.fn, self.n, self.i = fn, n, 0
+
+    def __iter__(self):
+        while self.i < self.n:
+            self.i += 1
+            yield self.fn(self.i - 1)
+
+    def state_dict(self) -> dict:
+        return {"i": self.i}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.i = state["i"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
@@ -33,6 +51,8 @@ def main() -> None:
     ap.add_argument("--memory-every", type=int, default=None, help="memory-tier checkpoints (default: off)")
     ap.add_argument("--odd-replacement", action="store_true",
                     help="a replacement process (in-place recovery) runs another plan (a bad-input test)")
+    ap.add_argument("--source-ends", type=int, default=None,
+                    help="feed a stateful iterable without len() that ends after this many minibatches")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -68,7 +88,8 @@ def main() -> None:
         with open(args.out + ".attempts", "a") as f:
             f.write(json.dumps({"attempt": trainer.env.restart_count, "incarnation": trainer.env.incarnation,
                                 "resumed_from": trainer.resumed_from}) + "\n")
-    result = trainer.fit(slow_data, args.total)
+    source = slow_data if args.source_ends is None else EndingSource(slow_data, args.source_ends)
+    result = trainer.fit(source, args.total)
     state = trainer.full_state_dict()
     if trainer.env.rank == 0:
         torch.save(state, args.out)

@@ -104,3 +104,15 @@ def test_a_replacement_with_another_plan_stops_the_job_with_one_line(tmp_path):
     lines = [l for l in log.splitlines() if "run another plan" in l]
     assert lines, log[-4000:]
     assert len({l.split(": ", 2)[-1] for l in lines}) == 1  # the same message on every rank
+
+
+def test_a_source_that_ends_stops_every_rank_with_one_line(tmp_path):
+    """An error that any recovery would meet again (stage 0's data source ends mid-run) is not recovered from:
+    every rank stops at once with the set-up exit status and the log holds one line for it."""
+    proc, _ = torchrun(tmp_path, "", "--source-ends", "22")
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    lines = [l for l in log.splitlines() if l.startswith("pipedream-ft:")]
+    assert lines == ["pipedream-ft: error: data source EndingSource ended after 22 minibatches "
+                     "(minibatch 22 was needed)"], log[-4000:]
+    assert "exitcode  : 2" in log and "pipedream_ft/" not in log, log[-4000:]  # no traceback from the library

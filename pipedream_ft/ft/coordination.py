@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 KEY_PROGRESS = "progress"
 KEY_LOSS = "loss"
 KEY_PREEMPTED = "preempted"
+KEY_JOB_ERROR = "job-error"
 KEY_FINISHED = "finished/{position}"
 KEY_ROUND = "round/{rank}"
 KEY_JOB_ID = "id"
@@ -202,6 +203,28 @@ class Coordinator:
             return self.epoch.store.check([KEY_PREEMPTED])
         except Exception:  # a store problem must not stop training
             return False
+
+    # -- an error that ends the job (epoch namespace) --------------------------------------------------------
+
+    def publish_job_error(self, message: str) -> None:
+        """Tell the group that this rank stops on ``message`` (see :class:`~pipedream_ft.errors.JobError`);
+        the first one published wins."""
+        if self.epoch is not None:
+            try:
+                self.epoch.store.compare_set(KEY_JOB_ERROR, "", f"rank {self.env.rank}: {message}")
+            except Exception as exc:  # the store is gone: the peers stop on their own timeouts
+                log.warning("could not publish the error to the group: %s", exc)
+
+    def job_error(self) -> str | None:
+        """The error a rank of this epoch stopped on, if any."""
+        if self.epoch is None:
+            return None
+        try:
+            if self.epoch.store.check([KEY_JOB_ERROR]):
+                return self.epoch.store.get(KEY_JOB_ERROR).decode()
+        except Exception:
+            return None
+        return None
 
     # -- leaving together ----------------------------------------------------------------------------------
 

@@ -28,9 +28,9 @@ later position, or a checkpoint written while a callable fed the run) is read fr
 ``p`` minibatches are skipped.
 
 A source that has ``len()`` is checked before training: asking for more minibatches than it has stops every
-rank with one line. One without ``len()`` that runs out mid-training stops stage 0 with a
-:class:`~pipedream_ft.errors.PipelineError` naming how many minibatches it gave; the other ranks then stop on
-their timeout waiting for it.
+rank with one line. One without ``len()`` that runs out mid-training raises a
+:class:`~pipedream_ft.errors.JobError` on stage 0 naming how many minibatches it gave: every rank stops with
+that line (no recovery is attempted: the source would end again).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from ..errors import PipelineError, PipelineSetupError
+from ..errors import JobError, PipelineError, PipelineSetupError
 from .comm import Header, Messenger
 from .group import CommGroup
 from .schedule import in_flight
@@ -171,7 +171,7 @@ class StreamFeed:
         try:
             batch = next(self._it)
         except StopIteration:
-            raise PipelineError(f"data source {self.name} ended after {self.reads} minibatches "
+            raise JobError(f"data source {self.name} ended after {self.reads} minibatches "
                                 f"(minibatch {self.reads} was needed)") from None
         b = self.reads
         self.reads += 1
@@ -192,7 +192,7 @@ class StreamFeed:
         for k in [k for k in self._cache if k < b]:  # others' minibatches, or a pre-flight look
             del self._cache[k]
         if b not in self._cache:
-            raise PipelineError(f"minibatch {b} of data source {self.name} was already used (read {self.reads})")
+            raise JobError(f"minibatch {b} of data source {self.name} was already used (read {self.reads})")
         return self._cache[b] if keep else self._cache.pop(b)
 
     def inputs(self, b: int, *, preflight: bool = False) -> Any:
