@@ -26,6 +26,14 @@ loss function is wrapped), between minibatch ``every/2`` and ``N - every/2``, so
 ``none`` run (the configurations run one after the other in each round, in rotated order, so a change in machine
 load hits them alike), and the median over rounds is reported.
 
+Because other work on a shared machine shifts the time per minibatch between runs by more than the effect
+measured, an *in-run* estimate is printed too: per checkpoint interval, the minibatches from the cut to half an
+interval later against the median of the same interval's second half (:func:`in_run_overheads`); on the
+``none`` run the same computation gives the noise floor. ``--profile`` prints the mean excess time of each
+minibatch around a cut (where the cost lands); ``cut-only`` runs the cuts with a writer that does nothing (the
+runtime's own share); ``local-nice19`` runs the persist thread at nice 19; ``--s3-nice 19`` runs the SeaweedFS
+server at nice 19 (its CPU then stands aside, as a remote server's would).
+
 The second table gives, per configuration and stage, the blocking time of each save (the call), the background
 persist time (wall, and CPU of the persist thread for pipedream-ft), the part's size and the commit latency.
 Then the disk's and the S3 server's write bandwidth, measured in the same run (a 256 MB file written and fsynced;
