@@ -7,7 +7,7 @@ Typical use, in a script launched by ``torchrun``::
     trainer = PipelineTrainer(model, load_plan("plan.json"), loss_fn=F.cross_entropy,
                               optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1),
                               checkpoint=CheckpointConfig(url="s3://bucket/run", policy=EveryNSteps(100)))
-    trainer.fit(data, total=10_000)          # data(b) -> (inputs, targets) of minibatch b
+    trainer.fit(data, total=10_000)          # data(b) -> (inputs, targets) of minibatch b, or a DataLoader
 """
 
 from partitioner.plan import Plan, PlanError, load_plan
@@ -16,8 +16,12 @@ from .env import DistEnv, read_env
 from .errors import PipelineError, PipelineSetupError, exit_on_error
 from .ft.checkpointer import CheckpointConfig, Preempted
 from .ft.coordination import init_distributed, shutdown
+from .launch import launch
 from .pipeline.comm import PeerTimeoutError, ShapeMismatchError
+from .pipeline.evaluate import EvalResult
 from .pipeline.hooks import Hooks
+from .pipeline.precision import LossScale
+from .pipeline.sources import Epochs
 from .policies import (AllOf, AnyOf, CheckpointPolicy, EveryNSteps, EveryTSeconds, Never, OverheadBudget,
                        PreemptionHandler, YoungDaly)
 from .trainer import PipelineConfig, PipelineTrainer, RankStats, TrainResult
@@ -28,9 +32,12 @@ __all__ = [
     "CheckpointConfig",
     "CheckpointPolicy",
     "DistEnv",
+    "Epochs",
+    "EvalResult",
     "EveryNSteps",
     "EveryTSeconds",
     "Hooks",
+    "LossScale",
     "Never",
     "OverheadBudget",
     "PeerTimeoutError",
@@ -48,6 +55,7 @@ __all__ = [
     "YoungDaly",
     "exit_on_error",
     "init_distributed",
+    "launch",
     "load_plan",
     "read_env",
     "shutdown",

@@ -2,6 +2,8 @@
 
 torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` and, under its
 elastic agent, ``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_USE_AGENT_STORE``.
+A supervisor (:func:`pipedream_ft.launch`) sets ``PIPEDREAM_FT_RECOVERY``, ``PIPEDREAM_FT_INCARNATION`` and
+``PIPEDREAM_FT_ROUND`` for the process it starts.
 Every field can be overridden by keyword, so tests and notebooks need no environment at all.
 """
 
@@ -34,6 +36,13 @@ class DistEnv:
     """torchrun's run id; keys in a shared store are scoped by it."""
     use_agent_store: bool = False
     """True when torchrun's agent hosts the store and workers connect to it as clients."""
+    recovery: str = "restart"
+    """``"in-place"`` when a supervisor (:func:`pipedream_ft.launch`) replaces this process if it dies and the
+    others recover without restarting; ``"restart"`` when a failure ends every process (torchrun restarts them)."""
+    incarnation: int = 0
+    """How many processes before this one held this rank in the current group (in-place recovery)."""
+    live_round: str | None = None
+    """The group this replacement process joins (in-place recovery; set by its supervisor)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -42,6 +51,10 @@ class DistEnv:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
         if self.local_rank < 0:
             raise ValueError(f"local_rank must be >= 0, got {self.local_rank}")
+        if self.recovery not in ("restart", "in-place"):
+            raise ValueError(f"recovery must be 'restart' or 'in-place', got {self.recovery!r}")
+        if self.incarnation < 0:
+            raise ValueError(f"incarnation must be >= 0, got {self.incarnation}")
 
 
 _VARS = {
@@ -53,6 +66,9 @@ _VARS = {
     "restart_count": ("TORCHELASTIC_RESTART_COUNT", int),
     "run_id": ("TORCHELASTIC_RUN_ID", str),
     "use_agent_store": ("TORCHELASTIC_USE_AGENT_STORE", lambda v: v.strip().lower() in ("1", "true", "yes")),
+    "recovery": ("PIPEDREAM_FT_RECOVERY", str),
+    "incarnation": ("PIPEDREAM_FT_INCARNATION", int),
+    "live_round": ("PIPEDREAM_FT_ROUND", str),
 }
 
 

@@ -13,13 +13,24 @@ The pieces, each in its own module:
 * :class:`~pipedream_ft.pipeline.group.CommGroup` — the process groups of the current epoch;
 * :class:`~pipedream_ft.ft.checkpointer.Checkpointer` — cuts, saves, commits, resume;
 * hooks — timeline, metrics, progress bar, watchdog, fault injection.
+
+And the training features: data sources read once by stage 0 (:mod:`~pipedream_ft.pipeline.data`,
+:mod:`~pipedream_ft.pipeline.sources`), the LR scheduler (:mod:`~pipedream_ft.pipeline.scheduler`), gradient
+clipping (:mod:`~pipedream_ft.pipeline.stepper`), mixed precision (:mod:`~pipedream_ft.pipeline.precision`),
+evaluation (:mod:`~pipedream_ft.pipeline.evaluate`) and the final model (:mod:`~pipedream_ft.pipeline.export`).
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
+import hashlib
+import json
 import logging
 import os
+import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -32,7 +43,10 @@ from profiler.profile import Profile
 from .checkpoint import Storage
 from .env import DistEnv, read_env
 from .errors import PipelineSetupError
-from .ft.checkpointer import CheckpointConfig, Checkpointer
+from .checkpoint import CheckpointError
+from .ft.checkpointer import CheckpointConfig, Checkpointer, plan_hash
+from .ft.coordination import LiveGroup
+from .ft.recovery import Formed, Heartbeat, Membership
 from .ft.coordination import Coordinator
 from .ft.elastic import describe_plan, load_stored_profile, replan
 from .ft.faults import FaultInjector
@@ -40,18 +54,25 @@ from .ft.watchdog import Watchdog, WatchdogHook
 from .observe.hooks import MetricsHook, ProgressHook, TimelineHook
 from .observe.metrics import MetricsWriter, summary_table
 from .observe.timeline import TimelineRecorder
-from .pipeline.comm import Messenger
+from .pipeline.comm import Messenger, PeerTimeoutError
+from .pipeline.data import CallableFeed, DataComponent, StreamFeed, target_links, training_feed
+from .pipeline.evaluate import EvalResult, MetricFn, evaluate
 from .pipeline.executor import DataFn, Executor, RankStats
+from .pipeline.export import save_model
 from .pipeline.group import CommGroup
 from .pipeline.hooks import HookList, Hooks
 from .pipeline.modes import MODES, Mode, make_mode
+from .pipeline.precision import LossScale, LossScaler, autocast_context, check_autocast
 from .pipeline.schedule import Action
+from .pipeline.scheduler import SchedulerFactory, attach_scheduler
 from .pipeline.stage import build_stage, executed_layers, model_layers
 from .pipeline.state import StageState
+from .pipeline.stepper import Stepper
 from .pipeline.tied import TiedParameters, find_tied, tie_declared
 from .pipeline.topology import Topology
 
-__all__ = ["MODES", "PipelineConfig", "RankStats", "TrainResult", "PipelineTrainer"]
+__all__ = ["MODES", "EvalResult", "LossScale", "PipelineConfig", "RankStats", "TrainResult", "PipelineTrainer",
+           "release_all"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +105,17 @@ class PipelineConfig:
     """Refuse a plan whose profile hash differs from the model's structure."""
     backend: str | None = None
     """``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available."""
+    recovery_timeout_s: float = 120.0
+    """In-place recovery: the longest the ranks wait for the group to form again before giving up (then the
+    processes stop and torchrun restarts them all)."""
+    clip_grad_norm: float | None = None
+    """Clip gradients to this 2-norm: per stage in the asynchronous modes, by the whole model's norm in
+    ``"flush"`` mode (see :mod:`pipedream_ft.pipeline.stepper`)."""
+    autocast_dtype: torch.dtype | None = None
+    """Run forwards under ``torch.autocast`` with this dtype: ``torch.bfloat16``, or ``torch.float16`` in
+    ``"flush"`` mode only, with loss scaling (see :mod:`pipedream_ft.pipeline.precision`)."""
+    loss_scale: LossScale = field(default_factory=LossScale)
+    """How the float16 loss scale starts and moves."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -94,6 +126,9 @@ class PipelineConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {self.backend!r}")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be > 0, got {self.clip_grad_norm}")
+        check_autocast(self.autocast_dtype, self.mode)
 
 
 @dataclass(slots=True)
@@ -126,7 +161,8 @@ class PipelineTrainer:
 
     ``model`` is the whole model (an ``nn.Sequential`` or an fx-traceable module) or a zero-argument factory
     for it; only this rank's layers are kept. ``optimizer_factory(params)`` builds the stage's optimizer (it is
-    not called for a stage without parameters). ``profile`` (the model's profile) lets a job whose world size
+    not called for a stage without parameters); ``scheduler_factory(optimizer)``, if given, builds its LR
+    scheduler, stepped after every update. ``profile`` (the model's profile) lets a job whose world size
     changed re-plan; with checkpointing it is also stored beside the checkpoints, so later attempts can re-plan
     without it. A parameter used by layers of several stages (tied embeddings) is kept equal on all of them
     (see :mod:`pipedream_ft.pipeline.tied`); ``tied_parameters`` also ties groups of distinct parameters by
@@ -146,11 +182,13 @@ class PipelineTrainer:
         checkpoint: CheckpointConfig | None = None,
         extra_state: dict[str, Any] | None = None,
         profile: Profile | None = None,
+        scheduler_factory: SchedulerFactory | None = None,
         tied_parameters: Sequence[Sequence[str]] = (),
     ) -> None:
         self.config = config = config or PipelineConfig()
         self.timeline: dict[str, float] = {"start": time.time()}
-        """Wall-clock times of this attempt's milestones: start, joined, restored, first_update."""
+        """Wall-clock times of this process's milestones: start, joined (its process groups built), restored,
+        first_update; for a replacement process also joining and formed (in-place recovery)."""
         self.env = env = env or read_env()
         self.backend, self.device = _backend_and_device(env, config.backend)
         if not isinstance(model, nn.Module):
@@ -185,7 +223,22 @@ class PipelineTrainer:
         del ml, model
         self.state = StageState(module, optimizer_factory, stage=topo.stage, replica=topo.replica,
                                 keep=self.mode.versions_kept(topo), extra=extra_state, tied=tied)
+        if tied is not None and scheduler_factory is not None:
+            tied.attach_schedulers(scheduler_factory)
+        scheduler = attach_scheduler(self.state, scheduler_factory, optimizer_factory)
+        self.scheduler: Any = scheduler.scheduler if scheduler is not None else None
+        """This stage's LR scheduler (``None`` without ``scheduler_factory`` or parameters)."""
+        self.scaler = LossScaler(config.loss_scale) if config.autocast_dtype == torch.float16 else None
+        if self.scaler is not None:
+            self.state.components["loss_scale"] = self.scaler
+        self.data_state = DataComponent()
+        if topo.is_first:
+            self.state.components["data"] = self.data_state
+        self._feed: CallableFeed | StreamFeed | None = None
         self.loss_fn = loss_fn
+        self.in_place = env.recovery == "in-place"
+        if self.in_place and checkpoint is None:
+            checkpoint = CheckpointConfig()  # in-place recovery needs the memory tier at least
         # every check above is local and the same on every rank; only now talk to the others
         self.coordinator = Coordinator(env, config.timeout_s)
         self.hooks = HookList()
@@ -193,28 +246,42 @@ class PipelineTrainer:
         if self.faults:
             self.hooks.add(self.faults)
         self._add_observers()
-        self.group = self._join()
-        self.messenger = Messenger(self.group, config.timeout_s)
-        if self.state.tied:
-            self.state.tied.messenger = self.messenger
-        self.executor = Executor(topo, self.state, self.mode, self.messenger, loss_fn=loss_fn, seed=config.seed,
+        self.group: CommGroup | None = None
+        self.messenger: Messenger | None = None
+        self.executor = Executor(topo, self.state, self.mode, device=self.device, loss_fn=loss_fn, seed=config.seed,
                                  hooks=self.hooks)
+        self.stepper = Stepper(self.state, topo=topo, synchronous=not self.mode.asynchronous,
+                               messenger=self.messenger, clip_grad_norm=config.clip_grad_norm, scaler=self.scaler,
+                               scheduler=scheduler)
+        self.executor.step = self.stepper.step
+        self.executor.autocast = autocast_context(config.autocast_dtype, self.device)
+        if self.scaler is not None:
+            self.executor.loss_factor = lambda: self.scaler.scale  # type: ignore[union-attr]
         self.ckpt: Checkpointer | None = None
         if checkpoint is not None:
-            self.ckpt = Checkpointer(checkpoint, topo=topo, mode=self.mode, state=self.state, group=self.group,
-                                     coordinator=self.coordinator, hooks=self.hooks,
-                                     flush_sends=self.messenger.flush, profile=profile)
+            self.ckpt = Checkpointer(checkpoint, topo=topo, mode=self.mode, state=self.state,
+                                     coordinator=self.coordinator, hooks=self.hooks, flush_sends=self._flush_sends,
+                                     profile=profile, job=self.coordinator.job_id() if env.use_agent_store else None)
             if self.faults:
                 self.faults.instrument(self.ckpt)
             if topo.is_first:
                 self.executor.decide = self.ckpt.decide
             self.executor.on_cut = self.ckpt.on_cut
+        self.fingerprint = hashlib.sha256(json.dumps(
+            [plan_hash(plan, self.mode), plan.profile_hash, checkpoint.url if checkpoint else None]).encode()).hexdigest()
+        self.membership: Membership | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._bad_cuts: set[int] = set()
+        self.recoveries: list[dict[str, Any]] = []
+        """One record per in-place recovery this process took part in: wall-clock times of the failure, the
+        group formed again, the state restored and the first update after it; the epoch and the cut."""
         self.redone = 0
-        self.resumed_from = self.ckpt.resume() if self.ckpt is not None else None
+        self.resumed_from = self._start()
         self.timeline["restored"] = time.time()
         self.hooks.on_event("start", attempt=env.restart_count, resumed_from=self.resumed_from)
         if self.resumed_from is not None:
             self._log_resume()
+        _OPEN.add(self)
 
     # -- set-up ---------------------------------------------------------------------------------------------
 
@@ -236,19 +303,126 @@ class PipelineTrainer:
             print(f"pipedream-ft: {msg}", flush=True)
         return new
 
-    def _join(self) -> CommGroup:
-        """Agree on a fresh epoch namespace with every rank and build this epoch's process groups."""
-        topo = self.topo
+    def _start(self) -> int | None:
+        """Join the group and restore what there is to restore; returns the position resumed from (or None).
+
+        A replacement process (in-place recovery) joins the running group's next epoch and restores the cut
+        every rank agrees on; any other process agrees on a fresh namespace with every rank of its attempt and,
+        with checkpointing, resumes from the newest checkpoint they can all restore."""
+        env = self.env
+        if self.in_place and env.incarnation > 0 and env.live_round:
+            self._live(env.live_round)
+            formed = self._form_and_restore()
+            log.warning("rank %d: replacement process %d joined epoch %d at cut %d", env.rank, env.incarnation,
+                        formed.epoch, formed.cut)
+            return formed.cut
         epoch = self.coordinator.new_epoch()
-        group = CommGroup(epoch.store, rank=self.env.rank, world_size=self.env.world_size, backend=self.backend,
+        self._attach(self._make_group(epoch.store))
+        if self.in_place:
+            self._live(epoch.id).start()
+        return self.ckpt.resume() if self.ckpt is not None else None
+
+    def _live(self, round_id: str) -> LiveGroup:
+        live = self.coordinator.live_group(round_id)
+        self.membership = Membership(live, rank=self.env.rank, world_size=self.env.world_size,
+                                     incarnation=self.env.incarnation, fingerprint=self.fingerprint,
+                                     timeout_s=self.config.recovery_timeout_s, on_join=lambda epoch: self.faults.at_join(self.env.restart_count + epoch))
+        self._heartbeat = Heartbeat(live, self.env.rank, self.env.incarnation)
+        return live
+
+    def _make_group(self, store: Any) -> CommGroup:
+        """This epoch's process groups, in namespace ``store``."""
+        topo = self.topo
+        group = CommGroup(store, rank=self.env.rank, world_size=self.env.world_size, backend=self.backend,
                           device=self.device, timeout_s=self.config.timeout_s,
-                          links=(topo.links() + (self.state.tied.links() if self.state.tied else []))
+                          links=(topo.links() + target_links(topo) + (self.state.tied.links() if self.state.tied else []))
                           if self.backend == "nccl" else (),
                           replica_ranks=topo.stage_ranks if len(topo.stage_ranks) > 1 else None)
         self.timeline["joined"] = time.time()
-        log.info("rank %d/%d joined (%s, restart %d)", self.env.rank, self.env.world_size, self.backend,
-                 self.env.restart_count)
+        log.info("rank %d/%d joined (%s, restart %d, process %d)", self.env.rank, self.env.world_size,
+                 self.backend, self.env.restart_count, self.env.incarnation)
         return group
+
+    def _attach(self, group: CommGroup) -> None:
+        self.group = group
+        self.messenger = Messenger(group, self.config.timeout_s)
+        self.executor.attach(self.messenger)
+        self.stepper.messenger = self.messenger
+        if self.ckpt is not None:
+            self.ckpt.attach(group)
+
+    def _release(self) -> None:
+        """Let go of this epoch's groups and of every pending operation on them: their connections close, so
+        every rank still waiting on this one fails at once and joins the recovery too."""
+        self.executor.abandon()
+        self.executor.attach(None)
+        self.stepper.messenger = None  # type: ignore[assignment]
+        if self._feed is not None and hasattr(self._feed, "messenger"):
+            self._feed.messenger = None
+        self.messenger = None
+        group, self.group = self.group, None
+        if group is not None:
+            group.abort()
+            group.close()
+        del group
+        gc.collect()
+
+    def _flush_sends(self) -> None:
+        if self.messenger is not None:
+            self.messenger.flush()
+
+    def _form_and_restore(self, record: dict[str, Any] | None = None) -> Formed:
+        """Form the next epoch with every rank, restore the cut it agrees on, and build its groups. The times the
+        group was formed and the state restored go to ``record`` (default: the process's timeline)."""
+        assert self.membership is not None and self.ckpt is not None
+        ckpt = self.ckpt
+        record = self.timeline if record is None else record
+        while True:
+            record.setdefault("joining", time.time())
+            formed = self.membership.form(
+                lambda: [c for c in ckpt.restorable_cuts() if c not in self._bad_cuts])
+            record["formed"] = time.time()
+            part: dict[str, Any] | None = None
+            try:
+                part = ckpt.load(formed.cut)
+            except CheckpointError as exc:
+                log.warning("rank %d: cannot restore cut %d: %s", self.env.rank, formed.cut, exc)
+                self._bad_cuts.add(formed.cut)
+            if not self.membership.confirm(formed, part is not None):
+                continue
+            assert part is not None and self.membership.live is not None
+            epoch = self.coordinator.live_epoch(self.membership.live.round_id, formed.epoch)
+            self._attach(self._make_group(epoch.store))
+            self.state.restore(part)
+            ckpt.restored(formed.cut)
+            self.faults.set_attempt(self.env.restart_count + formed.epoch)
+            return formed
+
+    def _recover(self, failure: str) -> None:
+        """A peer failed: fall back to the newest cut every rank can restore and go on, in place."""
+        assert self.membership is not None and self.ckpt is not None
+        record: dict[str, Any] = {"failed": time.time(), "epoch": self.membership.epoch}
+        self.recoveries.append(record)
+        print(f"pipedream-ft: rank {self.env.rank}: {failure}; recovering in place", file=sys.stderr, flush=True)
+        self.hooks.on_event("failure", reason=failure, epoch=self.membership.epoch)
+        self.membership.report_failure()
+        self._release()
+        reached = max([b for b, _ in self.executor.losses], default=self.position)
+        formed = self._form_and_restore(record)
+        record.update(epoch=formed.epoch, cut=formed.cut)
+        self.executor.rewind(formed.cut)
+        feed = self._feed
+        if isinstance(feed, StreamFeed):  # stage 0 reads the source again from the restored state
+            assert self.messenger is not None
+            feed.rewind(self.messenger)
+            if self.topo.is_first:
+                self.data_state.attach(feed, self.position)
+        record["restored"] = time.time()
+        self.redone = max(0, reached + 1 - formed.cut) if self.topo.is_last else self.redone
+        self.hooks.on_event("recovered", epoch=formed.epoch, cut=formed.cut,
+                            seconds=record["restored"] - record["failed"])
+        log.warning("rank %d: recovered in place in %.2fs: epoch %d, continuing from minibatch %d", self.env.rank,
+                    record["restored"] - record["failed"], formed.epoch, formed.cut)
 
     def _add_observers(self) -> None:
         config, env, topo = self.config, self.env, self.topo
@@ -268,7 +442,7 @@ class PipelineTrainer:
                                      report=self.coordinator.report_progress if reporter else None,
                                      last_loss=self._last_loss, reported_loss=self.coordinator.last_loss)
         self.hooks.add(self.progress)
-        self.hooks.add(_Milestones(self.timeline))
+        self.hooks.add(_Milestones(self.timeline, lambda: self.recoveries))
 
     def _last_loss(self) -> float | None:
         losses = self.executor.losses
@@ -329,52 +503,47 @@ class PipelineTrainer:
 
     # -- training -------------------------------------------------------------------------------------------
 
-    def preflight(self, data: DataFn) -> None:
+    def _feed_for(self, data: Any, steps: int) -> CallableFeed | StreamFeed:
+        self._feed = training_feed(data, self._feed, topo=self.topo, messenger=self.messenger,
+                                   component=self.data_state, position=self.position, steps=steps,
+                                   checkpointing=self.ckpt is not None)
+        return self._feed
+
+    def preflight(self, data: DataFn | Any) -> None:
         """Check every stage on one minibatch before training (see :meth:`Executor.preflight`). A collective."""
-        self.executor.preflight(data)
+        feed = self._feed_for(data, 0)
+        feed.prepare(self.position)
+        self.executor.preflight(feed)
 
     def schedule(self, start: int, stop: int) -> list[Action]:
         return self.mode.schedule(self.topo, start, stop)
 
-    def train(self, data: DataFn, steps: int) -> TrainResult:
+    def train(self, data: DataFn | Any, steps: int) -> TrainResult:
         """Train minibatches ``position .. position + steps - 1`` and drain the pipeline. A collective.
 
-        ``steps`` counts minibatches (PipeDream's unit of work; in ``"flush"`` mode, ``flush_every`` of them
-        make one optimizer step) and must be a multiple of the mode's window (every stage's replica count).
+        ``data`` is a callable ``data(b) -> (inputs, targets)``, a ``DataLoader``, torchdata's
+        ``StatefulDataLoader`` or any iterable of ``(inputs, targets)`` minibatches (see
+        :mod:`pipedream_ft.pipeline.sources`); every rank passes its own, identical one. ``steps`` counts
+        minibatches (PipeDream's unit of work; in ``"flush"`` mode, ``flush_every`` of them make one optimizer
+        step) and must be a multiple of the mode's window (every stage's replica count). With in-place recovery
+        a peer's failure does not end the call: the ranks fall back to the newest cut they can all restore and
+        go on (see :mod:`pipedream_ft.ft.recovery`).
         """
         window = self.mode.window(self.topo)
         if steps < 0 or steps % window:
             raise ValueError(f"steps must be a non-negative multiple of {window} for this plan and mode, got {steps}")
         ex = self.executor
-        if not ex.preflight_done:
-            ex.preflight(data)
+        self._feed_for(data, steps)
         start, stop = self.position, self.position + steps
-        actions = self.schedule(start, stop)
-        forwards = [i for i, a in enumerate(actions) if a.kind == "F"]
         t0 = time.perf_counter()
         ex.losses = []
         self.hooks.on_train_start(start, stop)
         try:
-            nxt = 0  # first forward at or after the current action
-            for i, action in enumerate(actions):
-                # post the next receives before computing: this forward's and the next one's
-                while nxt < len(forwards) and forwards[nxt] < i:
-                    nxt += 1
-                for j in forwards[nxt: nxt + (2 if action.kind == "F" else 1)]:
-                    ex.post_activation_recv(actions[j].index)
-                self.hooks.on_action(action)
-                if action.kind == "F":
-                    ex.forward(action.index, data)
-                elif action.kind == "B":
-                    ex.backward(action.index)
-                else:
-                    ex.update(action.index)
-                if self.ckpt is not None:
-                    self.ckpt.announce_preemption()
-            if self.state.tied:
-                self.state.tied.drain(stop // self.mode.update_unit(self.topo))
-            self.hooks.on_event("draining")
-            self.messenger.flush()
+            while True:
+                failure = self._run(data, stop)
+                if failure is None:
+                    break
+                self._recover(failure)
         finally:
             self.hooks.on_train_end(start, stop)
         self.state.position = stop
@@ -385,6 +554,45 @@ class PipelineTrainer:
             self._print_summary(seconds)
         return result
 
+    def _run(self, data: DataFn, stop: int) -> str | None:
+        """Run the schedule from the current position to ``stop``. Returns ``None`` when done, or — with in-place
+        recovery — why the group failed (the exception and its frames, which hold pending operations, are gone
+        by the time the caller recovers)."""
+        ex = self.executor
+        try:
+            feed = self._feed
+            assert feed is not None
+            if not ex.preflight_done:
+                feed.prepare(self.position)
+                ex.preflight(feed)
+            actions = self.schedule(self.position, stop)
+            forwards = [i for i, a in enumerate(actions) if a.kind == "F"]
+            nxt = 0  # first forward at or after the current action
+            for i, action in enumerate(actions):
+                # post the next receives before computing: this forward's and the next one's
+                while nxt < len(forwards) and forwards[nxt] < i:
+                    nxt += 1
+                for j in forwards[nxt: nxt + (2 if action.kind == "F" else 1)]:
+                    ex.post_activation_recv(actions[j].index)
+                self.hooks.on_action(action)
+                if action.kind == "F":
+                    ex.forward(action.index, feed)
+                elif action.kind == "B":
+                    ex.backward(action.index)
+                else:
+                    ex.update(action.index)
+                if self.ckpt is not None:
+                    self.ckpt.announce_preemption()
+            if self.state.tied:
+                self.state.tied.drain(stop // self.mode.update_unit(self.topo))
+            self.hooks.on_event("draining")
+            self._flush_sends()
+            return None
+        except PeerTimeoutError as exc:
+            if self.membership is None:
+                raise
+            return str(exc)
+
     def _print_summary(self, seconds: float) -> None:
         """Gather every rank's statistics and print a table on rank 0. A collective."""
         mine = {"rank": self.env.rank, "stage": self.topo.stage, "seconds": seconds, **self.executor.stats.as_dict()}
@@ -392,12 +600,14 @@ class PipelineTrainer:
         if self.env.rank == 0:
             print(summary_table(rows), flush=True)
 
-    def fit(self, data: DataFn, total: int) -> TrainResult:
+    def fit(self, data: DataFn | Any, total: int) -> TrainResult:
         """Train until ``total`` minibatches are done in all, continuing from a resumed checkpoint's position;
         then wait for pending checkpoints to commit. A collective."""
         result = self.train(data, max(0, total - self.position))
         if self.ckpt is not None:
             self.ckpt.finish(self.position)
+            if self.env.local_rank == 0:  # everybody on this node is done with the memory tier
+                self.ckpt.discard_memory()
         return result
 
     # -- results --------------------------------------------------------------------------------------------
@@ -411,12 +621,18 @@ class PipelineTrainer:
             out.update(part or {})
         return out
 
-    def save_model(self, path: str) -> None:
-        """Gather the whole model's weights and save them (rank 0 writes) with ``torch.save``. A collective."""
-        state = self.full_state_dict()
-        if self.env.rank == 0:
-            torch.save(state, path)
-        self.group.barrier()
+    def evaluate(self, data: DataFn | Any, steps: int, metric_fn: MetricFn | None = None) -> EvalResult:
+        """Mean loss (and ``metric_fn(outputs, targets)`` per minibatch) of minibatches ``0 .. steps - 1`` of
+        ``data``, forward only, in eval mode, with the current weights, changing nothing (see
+        :mod:`pipedream_ft.pipeline.evaluate`); between :meth:`train` calls. A collective."""
+        return evaluate(self.executor, data, steps, metric_fn,
+                        training_source=self._feed.source if self._feed is not None else None)
+
+    def save_model(self, path: str, format: str = "torch") -> None:
+        """Gather the whole model's weights onto rank 0, which writes them to ``path`` as ``"torch"``
+        (``torch.save``) or ``"safetensors"``; the plain model's ``load_state_dict(strict=True)`` accepts the
+        file (see :mod:`pipedream_ft.pipeline.export`). A collective."""
+        save_model(self.messenger, self.state.module, replica=self.topo.replica, path=path, format=format)
 
     def close(self) -> None:
         """Wait for pending checkpoint commits, stop the background threads, close the traces, and shut this
@@ -424,13 +640,43 @@ class PipelineTrainer:
         if self.ckpt is not None:
             self.ckpt.close()
         self.hooks.close()
-        self.group.close()
+        if self._heartbeat is not None:
+            self._heartbeat.close()
+        self.release()
+
+    def release(self) -> None:
+        """Shut this rank's process groups down now (idempotent; also done at interpreter exit)."""
+        if self.group is not None:
+            self._release()
+        _OPEN.discard(self)
+
+
+_OPEN: weakref.WeakSet[PipelineTrainer] = weakref.WeakSet()
+
+
+def release_all() -> None:
+    """Shut down the process groups of every trainer of this process that is still open (called by
+    :func:`pipedream_ft.launch` and :func:`~pipedream_ft.exit_on_error` on the way out, and at exit)."""
+    for trainer in list(_OPEN):
+        try:
+            trainer.release()
+        except Exception:  # the way out must not fail
+            pass
+
+
+atexit.register(release_all)
 
 
 class _Milestones(Hooks):
-    def __init__(self, timeline: dict[str, float]) -> None:
+    """Records the first update of the process and the first one after each in-place recovery."""
+
+    def __init__(self, timeline: dict[str, float], recoveries: Callable[[], list[dict[str, Any]]]) -> None:
         self.timeline = timeline
+        self.recoveries = recoveries
 
     def on_update(self, round_: int, done: int, start: float, end: float) -> None:
         if "first_update" not in self.timeline:
             self.timeline["first_update"] = end
+        records = self.recoveries()
+        if records and "first_update" not in records[-1] and "restored" in records[-1]:
+            records[-1]["first_update"] = end

@@ -38,7 +38,7 @@ def checkpointed_case(url: str, stages: list[list[int]], replicas: list[int] | N
     counter = Counter()
     trainer = PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=OPTIMIZERS[opt],
                               config=PipelineConfig(mode=mode, flush_every=4, timeout_s=60),
-                              checkpoint=CheckpointConfig(url=url, policy=EveryNSteps(every)),
+                              checkpoint=CheckpointConfig(url=url, policy=EveryNSteps(every), defer_when_behind=False),
                               extra_state={"counter": counter}, profile=timed_profile(model) if elastic else None)
     resumed = trainer.resumed_from
     target = stop_at if stop_at is not None else total

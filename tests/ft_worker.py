@@ -30,6 +30,9 @@ def main() -> None:
     ap.add_argument("--sleep-ms", type=float, default=0.0, help="per forward, to stretch the run")
     ap.add_argument("--storage-options", default=None, help="fsspec storage options as JSON")
     ap.add_argument("--timeout", type=float, default=10.0)
+    ap.add_argument("--memory-every", type=int, default=None, help="memory-tier checkpoints (default: off)")
+    ap.add_argument("--odd-replacement", action="store_true",
+                    help="a replacement process (in-place recovery) runs another plan (a bad-input test)")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -45,30 +48,37 @@ def main() -> None:
 
     options = json.loads(args.storage_options) if args.storage_options else None
     model = mlp()
-    plan = plan_for(model, [[0, 1], [2, 3], [4, 5], [6, 7, 8]])
+    stages = [[0, 1], [2, 3], [4, 5], [6, 7, 8]]
+    if args.odd_replacement and int(os.environ.get("PIPEDREAM_FT_INCARNATION", "0")) > 0:
+        stages = [[0, 1, 2], [3], [4, 5], [6, 7, 8]]
+    plan = plan_for(model, stages)
     t_start = time.time()
     trainer = PipelineTrainer(
         model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=adam,
         config=PipelineConfig(timeout_s=args.timeout, watchdog_s=args.timeout + 5),
         checkpoint=CheckpointConfig(url=args.ckpt, storage_options=options, policy=EveryNSteps(args.every),
+                                    memory_policy=EveryNSteps(args.memory_every) if args.memory_every else None,
                                     commit_timeout_s=60),
     )
     t_ready = time.time()
     if trainer.env.rank == 0:  # one line per attempt: where each one resumed from
         with open(args.out + ".attempts", "a") as f:
-            f.write(json.dumps({"attempt": trainer.env.restart_count, "resumed_from": trainer.resumed_from}) + "\n")
+            f.write(json.dumps({"attempt": trainer.env.restart_count, "incarnation": trainer.env.incarnation,
+                                "resumed_from": trainer.resumed_from}) + "\n")
     result = trainer.fit(slow_data, args.total)
     state = trainer.full_state_dict()
     if trainer.env.rank == 0:
         torch.save(state, args.out)
         with open(args.out + ".json", "w") as f:
             json.dump({"resumed_from": trainer.resumed_from, "attempt": trainer.env.restart_count,
+                       "incarnation": trainer.env.incarnation, "recoveries": trainer.recoveries,
                        "start_time": t_start, "ready_time": t_ready, "losses": result.losses}, f)
     trainer.close()
     shutdown()
 
 
 if __name__ == "__main__":
-    from pipedream_ft.errors import exit_on_error
+    import pipedream_ft
 
-    exit_on_error(main)
+    # PIPEDREAM_FT_RECOVERY (set by the tests) picks in-place recovery or torchrun restarts
+    pipedream_ft.launch(main)

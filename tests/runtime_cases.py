@@ -189,7 +189,8 @@ def gpt_case(plan_json: dict, steps: int, mode: str = "stash", opt: str = "adam"
     plan = Plan.from_json(plan_json)
     trainer = PipelineTrainer(tiny_gpt(), plan, loss_fn=lm_loss, optimizer_factory=OPTIMIZERS[opt],
                               config=PipelineConfig(mode=mode, flush_every=flush_every, timeout_s=60, summary=False),
-                              checkpoint=CheckpointConfig(url=ckpt, policy=EveryNSteps(4)) if ckpt else None)
+                              checkpoint=CheckpointConfig(url=ckpt, policy=EveryNSteps(4), defer_when_behind=False)
+                              if ckpt else None)
     target = stop_at if stop_at is not None else steps
     result = trainer.train(lm_data, target - trainer.position)
     if trainer.ckpt is not None:
@@ -238,7 +239,7 @@ def paramless_case(url: str, total: int, stop_at: int | None) -> dict[str, Any]:
     plan = plan_for(model, [[0], [1, 2], [3, 4]])
     trainer = PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=adam,
                               config=PipelineConfig(timeout_s=60, summary=False),
-                              checkpoint=CheckpointConfig(url=url, policy=EveryNSteps(4)))
+                              checkpoint=CheckpointConfig(url=url, policy=EveryNSteps(4), defer_when_behind=False))
     result = trainer.train(image_data, (stop_at or total) - trainer.position)
     trainer.ckpt.writer.flush(timeout=60)
     out = {"state": trainer.full_state_dict(), "losses": result.losses, "resumed": trainer.resumed_from,

@@ -36,7 +36,7 @@ def torchrun(ckpt: str, out: Path, faults: str = "", *, sleep_ms: float = 5.0, r
            "--sleep-ms", str(sleep_ms), "--timeout", "8"]
     if storage_options:
         cmd += ["--storage-options", json.dumps(storage_options)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PIPEDREAM_FT_FAULTS=faults)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PIPEDREAM_FT_FAULTS=faults, PIPEDREAM_FT_RECOVERY="restart")
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -81,10 +81,11 @@ LOCAL_CASES = {
 
 def assert_redone_within_bound(resumed: int, failed_at: int, log: str = "") -> None:
     """Resumed from a checkpoint at most the interval plus the pipeline depth before the failure (the newest
-    one, unless the failure hit while it was still being written: then the one before)."""
-    assert resumed % EVERY == 0 and resumed <= failed_at, (resumed, log[-6000:])
+    one, unless the failure hit while it was still being written: then the one before). A checkpoint the policy
+    deferred (storage behind) is taken at a later cut, so cuts need not be multiples of the interval."""
+    assert resumed <= failed_at, (resumed, log[-6000:])
     newest_possible = failed_at - failed_at % EVERY
-    assert resumed >= newest_possible - EVERY, (resumed, failed_at)
+    assert resumed >= newest_possible - EVERY, (resumed, failed_at, log[-6000:])
 
 
 @pytest.mark.timeout(300)
@@ -101,7 +102,7 @@ def test_fault_on_local_disk(case, reference, tmp_path):
         assert info["resumed_from"] < failed_at
     if "corrupt" in case:  # the newest checkpoint was damaged: the one before it is used
         damaged = int(re.search(r"into checkpoint (\d+)", log).group(1))
-        assert info["resumed_from"] == damaged - EVERY
+        assert damaged - 2 * EVERY <= info["resumed_from"] < damaged, (damaged, info["resumed_from"])
     elif "SIGTERM" in case:
         # the emergency checkpoint is taken at the next cut after the notice and nothing is redone
         # (stage 0 is up to DEPTH minibatches ahead of rank 1 and looks for notices every 50 ms)
@@ -133,14 +134,15 @@ def test_fault_through_s3(case, reference, tmp_path, seaweed_s3):  # noqa: F811
 
 @pytest.mark.timeout(300)
 def test_s3_outage_during_training(reference, tmp_path, seaweed_s3):  # noqa: F811
-    """The S3 server goes away mid-run: training goes on, saves warn and retry, none is committed
-    half-written, and checkpoints commit again once S3 is back."""
+    """The S3 server goes away mid-run: training goes on, saves warn and retry (the policy defers the next
+    checkpoints meanwhile instead of queueing them), none is committed half-written, and checkpoints commit
+    again once S3 is back: the one that was being written, and later ones."""
     out = tmp_path / "final.pt"
     url = seaweed_s3.url(f"ft-outage-{time.time_ns()}")
     result: dict = {}
 
     def run() -> None:
-        result["proc"] = torchrun(url, out, sleep_ms=200, storage_options=seaweed_s3.storage_options)
+        result["proc"] = torchrun(url, out, sleep_ms=400, storage_options=seaweed_s3.storage_options)
 
     from pipedream_ft.checkpoint import Storage, list_committed, load_part, read_commit
 
@@ -150,6 +152,7 @@ def test_s3_outage_during_training(reference, tmp_path, seaweed_s3):  # noqa: F8
     deadline = time.monotonic() + 120
     while not list_committed(storage) and time.monotonic() < deadline:  # training is under way
         time.sleep(0.2)
+    before = list_committed(storage)
     seaweed_s3.stop()
     time.sleep(4.0)
     seaweed_s3.start()
@@ -159,7 +162,7 @@ def test_s3_outage_during_training(reference, tmp_path, seaweed_s3):  # noqa: F8
     assert info["attempt"] == 0, log[-6000:]  # no restart was needed
     assert_bitwise(out, reference)
     committed = list_committed(storage)
-    assert committed and committed[-1] == TOTAL, committed
+    assert len([c for c in committed if c > before[-1]]) >= 2, (before, committed, log[-6000:])
     for step in committed:  # every committed checkpoint is whole
         record = read_commit(storage, step)
         for part in record.parts:

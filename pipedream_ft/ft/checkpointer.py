@@ -14,9 +14,16 @@ resume the schedule restarts at ``c``; its warm-up forwards recompute exactly th
 stashed versions and the same per-minibatch RNG seeds, so everything after the cut is bitwise what the
 uninterrupted run computed.
 
-**Commit.** Each rank's part is persisted in the background (:class:`~pipedream_ft.checkpoint.CheckpointWriter`);
-rank 0 writes the commit record once every part is durable. On start, the ranks agree on the newest
-committed checkpoint whose every part verifies, and all load that one.
+**Tiers.** Two tiers, each with its own policy: the *memory* tier (every rank's part in its node's shared
+memory, which outlives the process: cheap, taken often; what in-place recovery restores) and the *durable*
+tier (fsspec: local disk, S3; less often). A cut is marked for the memory tier, or for both. Each rank's part is
+persisted in the background; in the durable tier rank 0 writes the commit record once every part is durable.
+On start (and in every in-place recovery) the ranks agree on the newest cut that *every* rank can restore from
+some tier, load it (its checksum verified), and fall back to older cuts if a part does not verify.
+
+**Backpressure.** Stage 0 runs on rank 0, the committer: a cut that is due while the previous checkpoint of
+that tier is still being written (or not committed) is deferred (the policy stretches the interval and logs
+it), so no save is dropped and storage is never asked for more than it can absorb.
 
 The checkpointer sees only the rank's :class:`~pipedream_ft.pipeline.state.StageState`, its
 :class:`~pipedream_ft.pipeline.topology.Topology` and the mode's window.
@@ -27,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -36,8 +44,11 @@ from profiler.profile import Profile
 
 from ..checkpoint import (CheckpointError, CheckpointWriter, CorruptCheckpointError, Storage, list_committed,
                           load_part, read_commit)
+from ..checkpoint.shm import MemoryTier
+from ..checkpoint.snapshot import immutable
+from ..checkpoint.tiers import TierWriter
 from ..errors import PipelineError
-from ..pipeline.executor import CUT, STOP
+from ..pipeline.executor import CUT, DURABLE, STOP
 from ..pipeline.group import CommGroup
 from ..pipeline.hooks import Hooks
 from ..pipeline.modes import Flush, Mode
@@ -60,28 +71,39 @@ class Preempted(PipelineError):
 class CheckpointConfig:
     """Where and when to checkpoint."""
 
-    url: str
-    """Any fsspec URL: a local directory, ``s3://bucket/prefix``, ``memory://...``."""
+    url: str | None = None
+    """The durable tier: any fsspec URL (a local directory, ``s3://bucket/prefix``, ``memory://...``); ``None``:
+    no durable checkpoints (the memory tier alone, for in-place recovery)."""
     storage_options: dict[str, Any] | None = None
     """fsspec options, e.g. ``{"client_kwargs": {"endpoint_url": ...}}`` for S3-compatible servers."""
     policy: CheckpointPolicy = field(default_factory=lambda: EveryNSteps(100))
-    """When to save; evaluated by stage 0 at every possible cut (steps count minibatches)."""
+    """When to save to the durable tier; evaluated by stage 0 at every possible cut (steps count minibatches)."""
+    memory_policy: CheckpointPolicy | None = field(default_factory=lambda: EveryNSteps(8))
+    """When to save to the memory tier (shared memory on each node; under torchrun only); ``None``: never."""
+    memory_keep: int = 2
+    """Cuts kept in the memory tier."""
     keep: int = 3
-    """Committed checkpoints kept."""
+    """Committed checkpoints kept in the durable tier."""
     resume: bool = True
-    """Start from the newest committed checkpoint if there is one."""
+    """Start from the newest checkpoint every rank can restore, if there is one."""
     emergency_save: bool = True
     """On SIGTERM, commit a checkpoint at the next cut before exiting, if it fits in ``grace_s``."""
     grace_s: float = 30.0
     """Time a preemption notice leaves before the machine goes away."""
     commit_timeout_s: float = 120.0
     """A checkpoint whose parts are not all durable this long after it was taken is given up."""
+    defer_when_behind: bool = True
+    """Defer a due checkpoint while the previous one of its tier is still being written (storage slower than the
+    interval: the policy stretches the interval and logs it). ``False``: take every checkpoint the policy asks
+    for, waiting for storage if it must (saves are never dropped either way)."""
 
     def __post_init__(self) -> None:
-        if not self.url:
-            raise ValueError("checkpoint url must not be empty")
-        if self.keep < 1:
-            raise ValueError(f"keep must be >= 1, got {self.keep}")
+        if self.url is not None and not self.url:
+            raise ValueError("checkpoint url must not be empty (use None for no durable tier)")
+        if self.url is None and self.memory_policy is None:
+            raise ValueError("a checkpoint configuration needs a url or a memory_policy")
+        if self.keep < 1 or self.memory_keep < 1:
+            raise ValueError(f"keep and memory_keep must be >= 1, got {self.keep}, {self.memory_keep}")
         if self.grace_s <= 0 or self.commit_timeout_s <= 0:
             raise ValueError(f"grace_s and commit_timeout_s must be > 0, got {self.grace_s}, {self.commit_timeout_s}")
 
@@ -101,24 +123,30 @@ def part_name(stage: int, replica: int) -> str:
     return f"stage{stage}-replica{replica}"
 
 
+def _job_name(run_id: str, digest: str) -> str:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:80] or "job"
+    return f"{safe}-{digest[:12]}"
+
+
 class Checkpointer:
-    """One rank's side of checkpointing: deciding (stage 0), saving, committing (rank 0) and resuming."""
+    """One rank's side of checkpointing: deciding (stage 0), saving to the tiers, committing (rank 0),
+    and restoring. The process group is given with :meth:`attach` (it changes with every in-place recovery)."""
 
     def __init__(self, config: CheckpointConfig, *, topo: Topology, mode: Mode, state: StageState,
-                 group: CommGroup, coordinator: Coordinator, hooks: Hooks, flush_sends: Callable[[], None],
-                 profile: Profile | None = None) -> None:
+                 coordinator: Coordinator, hooks: Hooks, flush_sends: Callable[[], None],
+                 profile: Profile | None = None, job: str | None = None) -> None:
+        """``job``: identifies the job across its processes (torchrun's run id); ``None``: no memory tier (it
+        needs a job-scoped name that a restarted process finds again)."""
         self.config = config
         self.topo = topo
         self.mode = mode
         self.state = state
-        self.group = group
         self.coordinator = coordinator
         self.hooks = hooks
         self.flush_sends = flush_sends
+        self.group: CommGroup | None = None
         self.before_save: Callable[[int], None] | None = None
         """Called with the cut before each save (fault injection uses it)."""
-        self.storage = Storage(config.url, config.storage_options)
-        self.storage.check_writable()
         plan = topo.plan
         self.part = part_name(topo.stage, topo.replica)
         parts = [part_name(s.index, i) for s in plan.stages for i in range(s.replicas)]
@@ -126,15 +154,31 @@ class Checkpointer:
         self.metadata = {"plan_hash": self.plan_hash, "profile_hash": plan.profile_hash,
                          "world_size": plan.world_size, "num_stages": plan.num_stages,
                          "stages": [[list(s.layers), s.replicas] for s in plan.stages]}
-        if profile is not None and topo.rank == 0:
-            store_profile(self.storage, profile)
-        self.writer = CheckpointWriter(self.storage, self.part, expected_parts=parts, is_committer=topo.rank == 0,
-                                       keep=config.keep, commit_timeout_s=config.commit_timeout_s,
-                                       metadata=self.metadata)
+        self.storage: Storage | None = None
+        self.writer: CheckpointWriter | None = None
+        if config.url is not None:
+            self.storage = Storage(config.url, config.storage_options)
+            self.storage.check_writable()
+            if profile is not None and topo.rank == 0:
+                store_profile(self.storage, profile)
+            self.writer = CheckpointWriter(self.storage, self.part, expected_parts=parts,
+                                           is_committer=topo.rank == 0, keep=config.keep,
+                                           commit_timeout_s=config.commit_timeout_s, metadata=self.metadata)
+        self.memory_tier: MemoryTier | None = None
+        self.memory: TierWriter | None = None
+        if job is not None and config.memory_policy is not None:
+            self.memory_tier = MemoryTier(_job_name(job, self.plan_hash))
+            # the writer keeps everything: :meth:`_collect_memory` deletes what every rank has a newer cut of
+            self.memory = TierWriter([self.memory_tier], self.part, keep=1 << 30)
+        self._memory_saves: list[Any] = []
+        self._memory_published = -1
         self.window = mode.window(topo)
         self.last_cut = -1
-        """The newest cut decided (stage 0), saved or resumed from."""
+        """The newest cut decided (stage 0), saved or restored."""
         self.last_saved = -1
+        """The newest cut saved to the durable tier."""
+        self.last_memory = -1
+        """The newest cut saved to the memory tier."""
         self.preemption = PreemptionHandler(grace_s=config.grace_s) if config.emergency_save else None
         if self.preemption is not None:
             try:
@@ -148,84 +192,181 @@ class Checkpointer:
         self._handles: list[Any] = []
         self._started = time.time()
 
-    # -- resume ---------------------------------------------------------------------------------------------
+    def attach(self, group: CommGroup) -> None:
+        """The process group of the current epoch (for agreeing on a checkpoint)."""
+        self.group = group
+
+    @property
+    def tiers(self) -> list[str]:
+        return [name for name, on in (("memory", self.memory is not None), ("durable", self.writer is not None)) if on]
+
+    # -- restoring ------------------------------------------------------------------------------------------
+
+    def restorable_cuts(self) -> list[int]:
+        """The cuts at which this rank's part of this plan is in some tier (not yet verified)."""
+        cuts: set[int] = set()
+        if self.memory_tier is not None:
+            try:
+                cuts.update(self.memory_tier.steps([self.part]))
+            except Exception as exc:  # an unreadable tier has nothing for us
+                log.warning("memory tier unreadable: %s", exc)
+        if self.storage is not None and self.config.resume:
+            cuts.update(self._durable_cuts())
+        return sorted(cuts)
+
+    def _durable_cuts(self) -> list[int]:
+        assert self.storage is not None
+        out = []
+        for step in list_committed(self.storage):
+            try:
+                if read_commit(self.storage, step).metadata.get("plan_hash") == self.plan_hash:
+                    out.append(step)
+            except CheckpointError:
+                continue
+        return out
+
+    def load(self, cut: int) -> dict[str, Any]:
+        """This rank's part at ``cut``, from the fastest tier that has it and verifies.
+        Raises :class:`CorruptCheckpointError` if none does."""
+        problems = []
+        if self.memory_tier is not None:
+            try:
+                return self.memory_tier.get(cut, self.part)
+            except CheckpointError as exc:
+                problems.append(f"memory tier: {exc}")
+        if self.storage is not None:
+            try:
+                return load_part(self.storage, cut, self.part)
+            except CheckpointError as exc:
+                problems.append(f"durable tier: {exc}")
+        raise CorruptCheckpointError(f"cut {cut}: part {self.part} cannot be restored ({'; '.join(problems)})")
+
+    def restored(self, cut: int) -> None:
+        """The state was rolled back to ``cut``: decide and save cuts after it again."""
+        self.last_cut = cut
+        for policy in (self.config.policy, self.config.memory_policy):
+            if policy is not None:
+                policy.reset(time.monotonic(), cut)
 
     def resume(self) -> int | None:
-        """Load the newest checkpoint every rank can verify; return the position to continue from, or ``None``.
-        A collective."""
+        """At start: load the newest checkpoint the ranks can all restore — a cut of this plan that every rank has
+        in some tier (its part verified), or a durable checkpoint of another plan of this model (an elastic
+        resize: resharded by layer), whichever is newer; older ones if a part does not verify. Returns the
+        position to continue from, or ``None``. A collective."""
         if not self.config.resume:
             return None
-        committed = self.group.all_gather_object(list_committed(self.storage) if self.topo.rank == 0 else None)[0]
-        topo = self.topo
-        for step in reversed(committed):
-            parts: list[dict[str, Any]] = []
-            problem = ""
-            resharded = False
-            try:
-                record = read_commit(self.storage, step)
-                meta = record.metadata
-                if meta.get("plan_hash") == self.plan_hash:
-                    parts = [load_part(self.storage, step, self.part, record=record)]
-                elif meta.get("profile_hash") == topo.plan.profile_hash and "stages" in meta:
-                    resharded = True  # written under another plan of the same model: gather my layers
-                    mine = set(topo.layers)
-                    for index, (layers, _replicas) in enumerate(meta["stages"]):
-                        if mine & set(layers) or (index == 0 and self.state.extra):
-                            parts.append(load_part(self.storage, step, part_name(index, 0), record=record))
-                else:
-                    raise CheckpointError(
-                        f"checkpoint {step} in {self.storage.url} was written for another model (profile hash "
-                        f"{str(meta.get('profile_hash'))[:12]}, this model's {topo.plan.profile_hash[:12]}); "
-                        "use another checkpoint directory"
-                    )
-            except CorruptCheckpointError as exc:
-                problem = str(exc)
-            bad = [f for f in self.group.all_gather_object(problem) if f]
-            if bad:
-                log.warning("checkpoint %d is not usable (%s); trying an older one", step, bad[0])
-                continue
-            if resharded:
-                start = self.state.reshard(parts, step, updates_per_round=self.mode.update_unit(topo),
-                                           window=self.window)
-                if topo.rank == 0:
-                    if start != step:
-                        log.warning("the new plan's replica counts need a start at a multiple of %d: minibatches "
-                                    "%d..%d are skipped", self.window, step, start - 1)
-                    old = record.metadata["stages"]
-                    msg = (f"checkpoint {step} was written by a {len(old)}-stage plan on "
-                           f"{record.metadata.get('world_size')} workers; resharded into "
-                           f"{topo.num_stages} stages on {topo.world_size} workers")
-                    log.warning(msg)
-                    print(f"pipedream-ft: {msg}", flush=True)
-            else:
-                self.state.restore(parts[0])
-                start = step
-            self.last_cut = start
-            self.config.policy.reset(time.monotonic(), start)
-            return start
+        assert self.group is not None
+        mine = self.restorable_cuts()
+        common = set(mine)
+        for cuts in self.group.all_gather_object(mine):
+            common &= set(cuts)
+        others: list[int] = []
+        if self.storage is not None:
+            committed = self.group.all_gather_object(list_committed(self.storage) if self.topo.rank == 0 else None)[0]
+            others = [step for step in committed if step not in common]
+        for step, same in sorted([(c, True) for c in common] + [(c, False) for c in others], reverse=True):
+            start = self._restore_same(step) if same else self._restore_resharded(step)
+            if start is not None:
+                self.restored(start)
+                return start
         return None
+
+    def _restore_same(self, cut: int) -> int | None:
+        """Load this rank's part of ``cut`` (written under this plan); ``None`` if some rank's part does not verify."""
+        assert self.group is not None
+        part, problem = None, ""
+        try:
+            part = self.load(cut)
+        except CheckpointError as exc:
+            problem = str(exc)
+        bad = [p for p in self.group.all_gather_object(problem) if p]
+        if bad:
+            log.warning("checkpoint %d is not usable (%s); trying an older one", cut, bad[0])
+            return None
+        assert part is not None
+        self.state.restore(part)
+        return cut
+
+    def _restore_resharded(self, step: int) -> int | None:
+        """Gather this stage's layers from durable checkpoint ``step`` (another plan of this model); ``None`` if
+        it is of this plan or some part does not verify. Returns the position to continue from."""
+        assert self.storage is not None and self.group is not None
+        topo = self.topo
+        parts: list[dict[str, Any]] = []
+        problem = ""
+        record = None
+        try:
+            record = read_commit(self.storage, step)
+            meta = record.metadata
+            if meta.get("plan_hash") == self.plan_hash:
+                problem = f"checkpoint {step}: a part of this plan is missing from the faster tiers' agreement"
+            elif meta.get("profile_hash") != topo.plan.profile_hash or "stages" not in meta:
+                raise CheckpointError(
+                    f"checkpoint {step} in {self.storage.url} was written for another model (profile hash "
+                    f"{str(meta.get('profile_hash'))[:12]}, this model's {topo.plan.profile_hash[:12]}); "
+                    "use another checkpoint directory"
+                )
+            else:
+                mine = set(topo.layers)
+                for index, (layers, _replicas) in enumerate(meta["stages"]):
+                    if mine & set(layers) or (index == 0 and (self.state.extra or self.state.components)):
+                        parts.append(load_part(self.storage, step, part_name(index, 0), record=record))
+        except CorruptCheckpointError as exc:
+            problem = str(exc)
+        bad = [p for p in self.group.all_gather_object(problem) if p]
+        if bad:
+            log.warning("checkpoint %d is not usable (%s); trying an older one", step, bad[0])
+            return None
+        assert record is not None
+        start = self.state.reshard(parts, step, updates_per_round=self.mode.update_unit(topo), window=self.window)
+        if topo.rank == 0:
+            if start != step:
+                log.warning("the new plan's replica counts need a start at a multiple of %d: minibatches "
+                            "%d..%d are skipped", self.window, step, start - 1)
+            old = record.metadata["stages"]
+            msg = (f"checkpoint {step} was written by a {len(old)}-stage plan on "
+                   f"{record.metadata.get('world_size')} workers; resharded into "
+                   f"{topo.num_stages} stages on {topo.world_size} workers")
+            log.warning(msg)
+            print(f"pipedream-ft: {msg}", flush=True)
+        return start
 
     # -- deciding (stage 0) ---------------------------------------------------------------------------------
 
     def decide(self, b: int) -> int:
         """At stage 0's forward of minibatch ``b``: the cut flags for a cut at ``b + 1`` (0: none)."""
         now = time.monotonic()
-        self.config.policy.observe(step_time_s=now - self._last_forward)
+        step_time = now - self._last_forward
         self._last_forward = now
+        for policy in (self.config.policy, self.config.memory_policy):
+            if policy is not None:
+                policy.observe(step_time_s=step_time)
         cut = b + 1
         if cut % self.window or cut <= self.last_cut:
             return 0
+        durable = DURABLE if self.writer is not None else 0
         if self.preemption_requested(now):
             assert self.preemption is not None
             self.last_cut = cut  # no further decisions: this is the last cut of the attempt
             if self.preemption.fits(self.last_save_s * 2 + 1.0, now=now):
                 self.config.policy.record_save(cut, now)
-                return CUT | STOP
+                return CUT | STOP | durable
             raise Preempted("preempted: no emergency checkpoint fits in the grace period; stopping")
-        if self.config.policy.should_save(cut, now):
+        flags = 0
+        # busy: this rank's previous save is not durable yet (storage is not keeping up); a pending commit, which
+        # waits for the other ranks' parts, does not count
+        defer = self.config.defer_when_behind
+        busy = defer and self.last_saved >= 0 and self.writer is not None \
+            and (self.writer.last_durable or -1) < self.last_saved
+        if self.writer is not None and self.config.policy.should_save(cut, now, busy=busy):
+            flags |= CUT | DURABLE
+        memory_policy = self.config.memory_policy
+        if self.memory is not None and memory_policy is not None \
+                and memory_policy.should_save(cut, now, busy=defer and self.memory.backlog > 0):
+            flags |= CUT
+        if flags:
             self.last_cut = cut
-            return CUT
-        return 0
+        return flags
 
     def preemption_requested(self, now: float | None = None) -> bool:
         """A preemption notice here, or announced by another rank through the store (checked every 50 ms)."""
@@ -249,50 +390,114 @@ class Checkpointer:
     # -- saving ---------------------------------------------------------------------------------------------
 
     def on_cut(self, cut: int, flags: int) -> None:
-        """This rank's update for minibatch ``cut - 1`` is done: save its part (and stop, for a preemption)."""
-        if self.before_save is not None:
-            self.before_save(cut)
-        t0 = time.perf_counter()
-        w0 = time.time()
-        handle = self.writer.save(cut, self.state.capture(cut))
-        self.last_save_s = time.perf_counter() - t0
+        """This rank's update for minibatch ``cut - 1`` is done: save its part to the tiers the cut is marked
+        for (and stop, for a preemption). A cut this rank already saved before a rollback is not saved again
+        (the redone computation is bitwise the same)."""
+        to_memory = self.memory is not None and cut > self.last_memory
+        to_durable = self.writer is not None and bool(flags & DURABLE) and cut > self.last_saved
+        if to_memory or to_durable:
+            if self.before_save is not None:
+                self.before_save(cut)
+            t0 = time.perf_counter()
+            w0 = time.time()
+            part = self.state.capture(cut, frozen=immutable)
+            snapshot_s = 0.0
+            if to_memory:
+                assert self.memory is not None
+                save = self.memory.save(cut, part)
+                self._memory_saves.append(save)
+                snapshot_s += save.snapshot_s
+                self.last_memory = cut
+            if to_durable:
+                assert self.writer is not None
+                handle = self.writer.save(cut, part)
+                snapshot_s += handle.snapshot_s
+                self.last_saved = cut
+                self._handles.append(handle)
+                del self._handles[:-4]
+                if self.topo.is_first:
+                    self._observe_costs()
+            self.last_save_s = time.perf_counter() - t0
+            self.hooks.on_checkpoint(cut, w0, time.time(), snapshot_s)
+            log.info("rank %d: checkpoint %d (%s) snapshot in %.3fs", self.topo.rank, cut,
+                     "+".join(t for t, on in (("memory", to_memory), ("durable", to_durable)) if on), snapshot_s)
         self.last_cut = max(self.last_cut, cut)
-        self.last_saved = cut
-        self._handles.append(handle)
-        del self._handles[:-4]
-        self.hooks.on_checkpoint(cut, w0, time.time(), handle.snapshot_s)
-        if self.topo.is_first:
-            self.config.policy.observe(checkpoint_cost_s=handle.snapshot_s)
-        log.info("rank %d: checkpoint %d snapshot in %.3fs", self.topo.rank, cut, handle.snapshot_s)
+        if self.memory is not None:
+            self._collect_memory()
         if flags & STOP:
             self.flush_sends()  # downstream stages still need what was sent before the cut
             remaining = self.preemption.remaining_s() if self.preemption and self.preemption.requested \
                 else self.config.grace_s
-            self.writer.flush(timeout=max(1.0, remaining - 1.0))
+            for writer in (self.memory, self.writer):
+                if writer is not None:
+                    writer.flush(timeout=max(1.0, remaining - 1.0))
             raise Preempted(f"preempted: checkpoint {cut} saved; stopping (resume redoes no update)")
 
+    def _collect_memory(self) -> None:
+        """Say which memory-tier cut this rank has stored, and delete the cuts older than the newest one every
+        rank has stored (keeping at least ``memory_keep``): so there is always a cut all ranks can restore."""
+        assert self.memory_tier is not None
+        done = [s for s in self._memory_saves if s.done()]
+        self._memory_saves = [s for s in self._memory_saves if not s.done()]
+        stored = [s.step for s in done if not s.errors]
+        if stored and max(stored) > self._memory_published:
+            self._memory_published = max(stored)
+            self.coordinator.memory_done(self.plan_hash, self._memory_published)
+        floor = self.coordinator.memory_floor(self.plan_hash)
+        if floor is None:
+            return
+        mine = self.memory_tier.steps([self.part])
+        keep = max(self.config.memory_keep, sum(1 for step in mine if step >= floor))
+        if len(mine) > keep:
+            self.memory_tier.keep_last(keep, [self.part])
+
+    def _observe_costs(self) -> None:
+        """Feed the durable policy the measured cost of the newest finished save."""
+        done = [h for h in self._handles if h.done() and h.ok]
+        if done:
+            h = done[-1]
+            self.config.policy.observe(blocking_s=h.snapshot_s, persist_s=h.persist_s,
+                                       persist_cpu_s=getattr(h, "persist_cpu_s", None),
+                                       commit_s=getattr(h, "commit_s", None))
+
+    def flush_memory(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) until the memory tier holds every part saved so far."""
+        if self.memory is not None:
+            self.memory.flush(timeout=timeout)
+
     def metrics(self) -> dict[str, Any]:
-        """Checkpoint figures for the metrics record: the last finished save's snapshot and persist times and
-        the time since the last save known committed (or persisted, on ranks other than the committer)."""
+        """Checkpoint figures for the metrics record: the last finished durable save's snapshot and persist
+        times, and the time since the last save known committed (or persisted, on ranks other than the
+        committer)."""
         done = [h for h in self._handles if h.done() and h.ok]
         out: dict[str, Any] = {"checkpoints": len(done)}
         if done:
             last = done[-1]
             out["ckpt_snapshot_s"] = last.snapshot_s
             out["ckpt_persist_s"] = last.persist_s
-        finished = [h for h in done if (h.committed if self.writer.is_committer else True)]
-        base = finished[-1].finished_at if finished else None
-        out["since_commit_s"] = time.time() - (base or self._started)
+        if self.writer is not None:
+            finished = [h for h in done if (h.committed if self.writer.is_committer else True)]
+            base = finished[-1].finished_at if finished else None
+            out["since_commit_s"] = time.time() - (base or self._started)
         return out
 
     def finish(self, position: int) -> None:
         """Wait for pending saves, and leave together: rank 0 may still be writing the last commit record
         (slow storage, retries), and the collective that follows must not time out waiting for it. The other
         ranks wait on the store, whose timeout is the commit timeout, not the process group's."""
-        self.writer.flush(timeout=self.config.commit_timeout_s)
+        self.flush_memory(self.config.commit_timeout_s)
+        if self.writer is not None:
+            self.writer.flush(timeout=self.config.commit_timeout_s)
         self.coordinator.leave_together(position, self.config.commit_timeout_s + 30)
 
+    def discard_memory(self) -> None:
+        """Remove this node's memory tier (the job is done; local rank 0 calls it after everybody finished)."""
+        if self.memory_tier is not None:
+            self.memory_tier.destroy()
+
     def close(self) -> None:
-        self.writer.close(timeout=self.config.commit_timeout_s)
+        for writer in (self.memory, self.writer):
+            if writer is not None:
+                writer.close(timeout=self.config.commit_timeout_s)
         if self.preemption is not None:
             self.preemption.uninstall()

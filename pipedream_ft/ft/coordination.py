@@ -12,22 +12,31 @@ refused``. So nothing is written at the top level:
   counts differ.
 * ``pipedream_ft/<run>/<epoch>/`` — one epoch: its process groups (``world/``, ``replica/...``, ``link/...``),
   the preemption notice (``preempted``) and the end-of-run rendezvous (``finished/<position>``).
+* ``pipedream_ft/<run>/<round>/live/`` — in-place recovery within the group started in ``<round>``
+  (:class:`LiveGroup`): the failure counter ``failures`` (epoch ``k`` of the group is the one formed after
+  ``k`` failures), each epoch's join records ``e<k>/join/<rank>`` and its decision ``e<k>/decision``, the
+  ranks' heartbeats ``hb/<rank>``, and the supervisors' keys ``replacing/<rank>`` and ``evict/<rank>``. Each
+  rank's process publishes its group's round in the job namespace (``round/<rank>``) for its supervisor.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..env import DistEnv, read_env
 
-__all__ = ["Coordinator", "Epoch", "agree_on_round", "base_store", "init_distributed", "job_store", "shutdown"]
+__all__ = ["Coordinator", "Epoch", "LiveGroup", "agree_on_round", "base_store", "init_distributed", "job_store",
+           "shutdown"]
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +44,29 @@ KEY_PROGRESS = "progress"
 KEY_LOSS = "loss"
 KEY_PREEMPTED = "preempted"
 KEY_FINISHED = "finished/{position}"
+KEY_ROUND = "round/{rank}"
+KEY_JOB_ID = "id"
+KEY_MEMORY_DONE = "memory/{plan}/{rank}"
+KEY_AT = "at/{rank}"
+KEY_FAILURES = "failures"
+KEY_JOIN = "e{epoch}/join/{rank}"
+KEY_DECISION = "e{epoch}/decision"
+KEY_LOADED = "e{epoch}/loaded/{rank}"
+KEY_HEARTBEAT = "hb/{rank}"
+KEY_REPLACING = "replacing/{rank}"
+KEY_EVICT = "evict/{rank}"
+FORMED = "formed"
+FAILED = "failed"
 
 _BASE: dist.Store | None = None
-_BASE_ADDR: tuple[str, int] | None = None
+_BASE_ADDR: tuple[str, int, int] | None = None
 
 
 def base_store(env: DistEnv, timeout_s: float) -> dist.Store:
-    """This process's connection to the job's store (one per process, reused by every epoch)."""
+    """This process's connection to the job's store (one per process, reused by every epoch; a forked process
+    opens its own: two processes must never share one connection)."""
     global _BASE, _BASE_ADDR
-    addr = (env.master_addr, env.master_port)
+    addr = (env.master_addr, env.master_port, os.getpid())
     if _BASE is None or _BASE_ADDR != addr:
         is_host = env.rank == 0 and not env.use_agent_store
         _BASE = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=is_host,
@@ -83,6 +106,34 @@ class Coordinator:
         rounds = dist.PrefixStore(f"pipedream_ft/{self.env.run_id}/round/", self.base)
         round_id = agree_on_round(rounds, self.env.rank, self.env.world_size, self.timeout_s)
         self.epoch = Epoch(round_id, dist.PrefixStore(f"pipedream_ft/{self.env.run_id}/{round_id}/", self.base))
+        return self.epoch
+
+    def job_id(self) -> str:
+        """An id of this job, the same for every process of every attempt while the store lives (torchrun's run
+        id is ``"none"`` unless given): it scopes what the job keeps on its nodes (the memory tier)."""
+        return self.job.compare_set(KEY_JOB_ID, "", uuid.uuid4().hex[:16]).decode()
+
+    def memory_done(self, plan: str, cut: int) -> None:
+        """This rank's memory-tier part of ``cut`` (of plan ``plan``) is stored: older cuts may go once every
+        rank has said so for a newer one."""
+        self.job.set(KEY_MEMORY_DONE.format(plan=plan[:16], rank=self.env.rank), str(cut))
+
+    def memory_floor(self, plan: str) -> int | None:
+        """The newest cut every rank has stored in the memory tier (``None`` until every rank has one)."""
+        keys = [KEY_MEMORY_DONE.format(plan=plan[:16], rank=r) for r in range(self.env.world_size)]
+        if not self.job.check(keys):
+            return None
+        return min(int(self.job.get(k)) for k in keys)
+
+    def live_group(self, round_id: str) -> LiveGroup:
+        """The in-place recovery keys of the group started in ``round_id``; published for this rank's supervisor."""
+        self.job.set(KEY_ROUND.format(rank=self.env.rank), round_id)
+        return LiveGroup(self.base, self.env.run_id, round_id)
+
+    def live_epoch(self, round_id: str, epoch: int) -> Epoch:
+        """The namespace of epoch ``epoch`` of the group started in ``round_id`` (its process groups live there)."""
+        self.epoch = Epoch(f"{round_id}-e{epoch}",
+                           dist.PrefixStore(f"pipedream_ft/{self.env.run_id}/{round_id}/live/e{epoch}/", self.base))
         return self.epoch
 
     # -- progress (job namespace) ----------------------------------------------------------------------------
@@ -130,6 +181,114 @@ class Coordinator:
             self.epoch.store.set(key, "1")
         else:
             self.epoch.store.wait([key], timedelta(seconds=timeout_s))
+
+
+class LiveGroup:
+    """The store keys of in-place recovery in one group (see the module docstring); shared by the ranks'
+    processes and their supervisors. Every method is one or two store operations."""
+
+    def __init__(self, base: dist.Store, run_id: str, round_id: str) -> None:
+        self.round_id = round_id
+        self.store = dist.PrefixStore(f"pipedream_ft/{run_id}/{round_id}/live/", base)
+
+    @staticmethod
+    def published_round(base: dist.Store, run_id: str, rank: int) -> str | None:
+        """The round ``rank``'s process last published (``None`` if it never got that far)."""
+        job = dist.PrefixStore(f"pipedream_ft/{run_id}/job/", base)
+        key = KEY_ROUND.format(rank=rank)
+        return job.get(key).decode() if job.check([key]) else None
+
+    # failures and epochs ------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """At the group's start (every rank; idempotent): no failure so far."""
+        self.store.compare_set(KEY_FAILURES, "", "0")
+
+    def failures(self) -> int:
+        """Failures noticed so far in this group: the number of the epoch being formed or running."""
+        return int(self.store.get(KEY_FAILURES))
+
+    def report_failure(self, seen: int) -> int:
+        """Count a failure of epoch ``seen`` (once, however many ranks report it) and settle ``seen`` as
+        :data:`FAILED` if it was still forming; returns the new count."""
+        self.store.compare_set(KEY_DECISION.format(epoch=seen), "", FAILED)
+        return int(self.store.compare_set(KEY_FAILURES, str(seen), str(seen + 1)))
+
+    def running(self, rank: int, epoch: int) -> None:
+        """``rank``'s process joins or runs in ``epoch`` (its supervisor reports its death as a failure of that
+        epoch)."""
+        self.store.set(KEY_AT.format(rank=rank), str(epoch))
+
+    def epoch_of(self, rank: int) -> int:
+        key = KEY_AT.format(rank=rank)
+        return int(self.store.get(key)) if self.store.check([key]) else 0
+
+    def join(self, epoch: int, rank: int, record: dict[str, Any]) -> None:
+        self.store.set(KEY_JOIN.format(epoch=epoch, rank=rank), json.dumps(record))
+
+    def joined(self, epoch: int, world_size: int) -> dict[int, dict[str, Any]]:
+        """The join records of ``epoch`` written so far, by rank."""
+        out = {}
+        keys = [KEY_JOIN.format(epoch=epoch, rank=r) for r in range(world_size)]
+        for r, key in enumerate(keys):
+            if self.store.check([key]):
+                out[r] = json.loads(self.store.get(key))
+        return out
+
+    def decide(self, epoch: int, decision: str) -> str:
+        """Settle ``epoch`` as :data:`FORMED` or :data:`FAILED` (the first call wins); returns the decision."""
+        return self.store.compare_set(KEY_DECISION.format(epoch=epoch), "", decision).decode() or decision
+
+    def decision(self, epoch: int) -> str | None:
+        key = KEY_DECISION.format(epoch=epoch)
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+    def confirm(self, epoch: int, rank: int, ok: bool) -> None:
+        """Whether ``rank`` restored the agreed cut of ``epoch``."""
+        self.store.set(KEY_LOADED.format(epoch=epoch, rank=rank), "1" if ok else "0")
+
+    def confirmations(self, epoch: int, world_size: int) -> dict[int, bool]:
+        out = {}
+        for r in range(world_size):
+            key = KEY_LOADED.format(epoch=epoch, rank=r)
+            if self.store.check([key]):
+                out[r] = self.store.get(key) == b"1"
+        return out
+
+    # liveness ---------------------------------------------------------------------------------------------
+
+    def heartbeat(self, rank: int, incarnation: int) -> None:
+        self.store.set(KEY_HEARTBEAT.format(rank=rank), f"{time.time()!r} {incarnation}")
+
+    def last_heartbeat(self, rank: int) -> tuple[float, int] | None:
+        """``(seconds since, incarnation)`` of ``rank``'s last heartbeat, or ``None`` if it never beat."""
+        key = KEY_HEARTBEAT.format(rank=rank)
+        if not self.store.check([key]):
+            return None
+        when, incarnation = self.store.get(key).decode().split()
+        return time.time() - float(when), int(incarnation)
+
+    # supervisors ------------------------------------------------------------------------------------------
+
+    def announce_replacement(self, rank: int, incarnation: int) -> None:
+        self.store.set(KEY_REPLACING.format(rank=rank), f"{incarnation} {time.time()!r}")
+
+    def replacement(self, rank: int) -> tuple[int, float]:
+        """``(incarnation, seconds since it was started)`` of the newest process a supervisor started for
+        ``rank`` (``(0, inf)``: the first one, started with the group)."""
+        key = KEY_REPLACING.format(rank=rank)
+        if not self.store.check([key]):
+            return 0, float("inf")
+        incarnation, when = self.store.get(key).decode().split()
+        return int(incarnation), time.time() - float(when)
+
+    def evict(self, rank: int, incarnation: int) -> None:
+        """Ask ``rank``'s supervisor to kill incarnation ``incarnation`` (it stopped answering) and replace it."""
+        self.store.set(KEY_EVICT.format(rank=rank), str(incarnation))
+
+    def evicted(self, rank: int) -> int | None:
+        key = KEY_EVICT.format(rank=rank)
+        return int(self.store.get(key)) if self.store.check([key]) else None
 
 
 def agree_on_round(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> str:

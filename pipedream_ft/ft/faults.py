@@ -4,9 +4,10 @@ Faults are given in code or in the environment variable ``PIPEDREAM_FT_FAULTS``,
 
     PIPEDREAM_FT_FAULTS="kill@rank=1,step=20;exception@rank=2,step=35,attempt=1"
 
-Each fault fires once, on ``rank``, when that rank starts the forward of minibatch ``step``, during torchrun
-attempt ``attempt`` (``TORCHELASTIC_RESTART_COUNT``, default 0) — so a restarted run is not hit again unless
-asked to be (two failures in a row: a second fault with ``attempt=1``). Kinds:
+Each fault fires once, on ``rank``, when that rank starts the forward of minibatch ``step``, during attempt
+``attempt`` (default 0) of the group: torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``), plus, with
+in-place recovery, the number of times the group was formed again — so a restarted or recovered run is not hit
+again unless asked to be (two failures in a row: a second fault with ``attempt=1``). Kinds:
 
 ``kill``        SIGKILL itself (a machine fault)
 ``exception``   raise :class:`InjectedFault` in the training loop (a runtime error in user code)
@@ -15,6 +16,8 @@ asked to be (two failures in a row: a second fault with ``attempt=1``). Kinds:
 ``ckpt_crash``  die (SIGKILL) while writing its part of the first checkpoint at or after ``step``
 ``corrupt``     at a save after checkpoint ``step`` has committed, flip a byte in its part of the newest
                 committed checkpoint, then die
+``rejoin``      die (SIGKILL) right after joining an in-place recovery of attempt ``attempt`` (a failure while
+                the group forms again; ``step`` is ignored)
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from ..pipeline.schedule import Action
 
 __all__ = ["KINDS", "Fault", "InjectedFault", "FaultInjector", "parse_faults"]
 
-KINDS = ("kill", "exception", "hang", "term", "ckpt_crash", "corrupt")
+KINDS = ("kill", "exception", "hang", "term", "ckpt_crash", "corrupt", "rejoin")
 ENV_VAR = "PIPEDREAM_FT_FAULTS"
 
 
@@ -81,8 +84,16 @@ class FaultInjector(Hooks):
     """Fires the faults meant for this rank and attempt (a hook: the training loop knows nothing of it)."""
 
     def __init__(self, faults: list[Fault], *, rank: int, attempt: int) -> None:
-        self.faults = [f for f in faults if f.rank == rank and f.attempt == attempt]
+        self._mine = [f for f in faults if f.rank == rank]
         self.rank = rank
+        self.faults: list[Fault] = []
+        self.set_attempt(attempt)
+
+    def set_attempt(self, attempt: int) -> None:
+        """Arm the faults of ``attempt``: the group's restart count plus, with in-place recovery, the number of
+        times the group was formed again (so a fault hits the attempt it names, whichever process runs it)."""
+        self.attempt = attempt
+        self.faults = [f for f in self._mine if f.attempt == attempt]
 
     @staticmethod
     def from_env(*, rank: int, attempt: int, environ: dict[str, str] | None = None) -> FaultInjector:
@@ -90,7 +101,8 @@ class FaultInjector(Hooks):
         return FaultInjector(parse_faults(env.get(ENV_VAR, "")), rank=rank, attempt=attempt)
 
     def __bool__(self) -> bool:
-        return bool(self.faults)
+        """Whether any fault is meant for this rank (in any attempt)."""
+        return bool(self._mine)
 
     def _take(self, kinds: tuple[str, ...], step: int) -> Fault | None:
         for f in self.faults:
@@ -149,6 +161,14 @@ class FaultInjector(Hooks):
             ckpt.storage.write_bytes(rel, bytes(data))
 
         self.after_commit(newest, damage)
+
+    def at_join(self, attempt: int) -> None:
+        """Called right after this rank joined the in-place recovery that starts ``attempt`` (``rejoin``)."""
+        f = next((f for f in self._mine if f.kind == "rejoin" and f.attempt == attempt), None)
+        if f is not None:
+            self._mine.remove(f)
+            print(f"pipedream-ft: rank {self.rank}: injecting fault {f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def wrap_part_write(self, write: Callable[[str, bytes], Any]) -> Callable[[str, bytes], Any]:
         """Wrap ``Storage.write_bytes`` so a ``ckpt_crash`` fault kills the rank mid-write of its part."""

@@ -95,6 +95,10 @@ class WatchdogHook(Hooks):
     def on_event(self, name: str, **args: Any) -> None:
         if name == "draining":
             self.watchdog.beat("waiting for the last sends")
+        elif name == "failure":  # the recovery has its own deadline
+            self.watchdog.disarm()
+        elif name == "recovered":
+            self.watchdog.arm()
 
     def on_train_end(self, start: int, stop: int) -> None:
         self.watchdog.disarm()

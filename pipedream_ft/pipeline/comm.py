@@ -9,12 +9,19 @@ activation message, whose shapes both sides already know.
 
 Every wait is bounded: a peer that is dead or stuck makes :class:`PeerTimeoutError` name the operation and the
 peer instead of hanging. With gloo each message gets its own tag; NCCL ignores tags and keeps order per pair.
+
+**Channels.** Header-and-tensors messages travel on a *channel*: ``"act"`` (training activations, shapes
+learned once and fixed), ``"tgt"`` (stage 0 sends each minibatch's targets straight to the last stage),
+``"eval"`` and ``"eval-tgt"`` (activations and targets of :meth:`~pipedream_ft.trainer.PipelineTrainer.evaluate`).
+Each channel has its own tag space; every channel but ``"act"`` has *variable* shapes: each message's header
+is read before its tensors are received, so shapes may change from message to message (a last partial
+batch). Under NCCL a channel rides on a link's communicator: ``"eval"`` shares ``"act"``'s and ``"eval-tgt"``
+shares ``"tgt"``'s, which is safe because evaluation runs only while no training message is in flight.
 """
 
 from __future__ import annotations
 
 import pickle
-import re
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .group import CommGroup
+from .group import CommGroup, PeerTimeoutError, backend_reason
 
 __all__ = ["TensorSpec", "Header", "PeerTimeoutError", "ShapeMismatchError", "Messenger", "RecvHandle"]
 
@@ -38,10 +45,6 @@ _DTYPES: list[torch.dtype] = [
     torch.int8, torch.uint8, torch.bool, torch.complex64,
 ]
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
-
-
-class PeerTimeoutError(RuntimeError):
-    """A transfer with a peer did not complete within the timeout."""
 
 
 class ShapeMismatchError(ValueError):
@@ -102,25 +105,26 @@ def _decode(buf: torch.Tensor) -> tuple[Header, list[TensorSpec]]:
     return Header(vals[1], vals[2], vals[3]), specs
 
 
-def _backend_reason(exc: BaseException) -> str:
-    """The useful part of a backend's error: no source location, no boilerplate advice."""
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text)
-    return text.split(" This is typically")[0].strip()
-
-
 def _tag(minibatch: int, slot: int) -> int:
     return (minibatch % (1 << 24)) * 32 + slot
+
+
+_CHANNELS: dict[str, tuple[str, int]] = {
+    "act": ("act", 0), "grad": ("grad", 0), "tgt": ("tgt", 1 << 29), "eval": ("act", 2 << 29),
+    "eval-tgt": ("tgt", 3 << 29),
+}
+"""channel -> (the link it rides on under NCCL, its tag base): tags never collide across channels."""
 
 
 class RecvHandle:
     """A posted receive; :meth:`wait` returns the header (or ``None`` for gradients) and the tensors."""
 
-    def __init__(self, messenger: Messenger, peer: int, minibatch: int, what: str) -> None:
+    def __init__(self, messenger: Messenger, peer: int, minibatch: int, what: str, channel: str = "act") -> None:
         self._m = messenger
         self.peer = peer
         self.minibatch = minibatch
         self.what = what
+        self.channel = channel if what == "activation" else "grad"
         self.header_buf: torch.Tensor | None = None
         self.header_work: Any = None
         self.tensors: list[torch.Tensor] = []
@@ -143,7 +147,8 @@ class RecvHandle:
                     f"expected minibatch {self.minibatch} from rank {self.peer}, got {header.minibatch}"
                 )
             if self.expected is None:
-                self._m._learn(self.peer, specs)
+                if self.channel == "act":
+                    self._m._learn(self.peer, specs)
                 self._post_tensors(specs)
             elif specs != self.expected:
                 raise ShapeMismatchError(
@@ -161,8 +166,8 @@ class RecvHandle:
         for i, spec in enumerate(specs):
             t = torch.empty(spec.shape, dtype=spec.dtype, device=self._m.device)
             self.tensors.append(t)
-            channel = "act" if self.what == "activation" else "grad"
-            self.works.append(self._m.group.irecv(t, self.peer, _tag(self.minibatch, i + 1), channel))
+            link, base = _CHANNELS[self.channel]
+            self.works.append(self._m.group.irecv(t, self.peer, base + _tag(self.minibatch, i + 1), link))
 
 
 class Messenger:
@@ -182,9 +187,11 @@ class Messenger:
 
     # -- sending ------------------------------------------------------------------------------------------
 
-    def send_activations(self, peer: int, header: Header, tensors: Sequence[torch.Tensor]) -> None:
+    def send_activations(self, peer: int, header: Header, tensors: Sequence[torch.Tensor], channel: str = "act"
+                         ) -> None:
+        """Send ``header`` and ``tensors`` to ``peer`` on ``channel`` (see the module docstring)."""
         specs = [TensorSpec.of(t) for t in tensors]
-        before = self._sent_specs.setdefault(peer, specs)
+        before = self._sent_specs.setdefault(peer, specs) if channel == "act" else specs
         if before != specs:
             raise ShapeMismatchError(
                 f"minibatch {header.minibatch} sends {', '.join(map(str, specs))} to rank {peer}, but earlier "
@@ -192,10 +199,12 @@ class Messenger:
                 "partial one)"
             )
         buf = _encode(header, specs, self.device)
-        self._isend(buf, peer, _tag(header.minibatch, 0), f"activation header of minibatch {header.minibatch}", "act")
+        link, base = _CHANNELS[channel]
+        what = "activation" if channel == "act" else f"{channel} message"
+        self._isend(buf, peer, base + _tag(header.minibatch, 0), f"{what} header of minibatch {header.minibatch}", link)
         for i, t in enumerate(tensors):
-            self._isend(t.detach().contiguous(), peer, _tag(header.minibatch, i + 1),
-                        f"activation of minibatch {header.minibatch}", "act")
+            self._isend(t.detach().contiguous(), peer, base + _tag(header.minibatch, i + 1),
+                        f"{what} of minibatch {header.minibatch}", link)
 
     def send_object(self, peer: int, obj: Any) -> None:
         """Send a small picklable object on the activation channel (the pre-flight's structure message)."""
@@ -243,13 +252,17 @@ class Messenger:
 
     # -- receiving ----------------------------------------------------------------------------------------
 
-    def post_activations(self, peer: int, minibatch: int) -> RecvHandle:
-        """Post the receive of minibatch ``minibatch``'s activations from ``peer``.
+    def post_activations(self, peer: int, minibatch: int, channel: str = "act") -> RecvHandle:
+        """Post the receive of minibatch ``minibatch``'s activations (or ``channel``'s message) from ``peer``.
 
         Until the first header from ``peer`` has been read, at most one receive is posted per link, so that
-        backends that match messages by order alone (NCCL) never pair a header buffer with a tensor.
+        backends that match messages by order alone (NCCL) never pair a header buffer with a tensor. On a
+        variable-shape channel only the header is posted; wait for one message before posting the next.
         """
-        h = RecvHandle(self, peer, minibatch, "activation")
+        h = RecvHandle(self, peer, minibatch, "activation", channel)
+        if channel != "act":
+            self._post_header(h)
+            return h
         if peer not in self._learned and peer in self._unresolved:
             h.deferred = True
             return h
@@ -258,7 +271,10 @@ class Messenger:
 
     def _post_header(self, h: RecvHandle) -> None:
         h.header_buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        h.header_work = self.group.irecv(h.header_buf, h.peer, _tag(h.minibatch, 0), "act")
+        link, base = _CHANNELS[h.channel]
+        h.header_work = self.group.irecv(h.header_buf, h.peer, base + _tag(h.minibatch, 0), link)
+        if h.channel != "act":
+            return
         known = self._learned.get(h.peer)
         if known is not None:
             h._post_tensors(known)
@@ -283,7 +299,7 @@ class Messenger:
             ok = work.wait(self.timeout)
         except Exception as exc:  # backends raise their own error types on timeout or a dead peer
             raise PeerTimeoutError(
-                f"{what} failed or timed out after {self.timeout.total_seconds():.0f}s: {_backend_reason(exc)}"
+                f"{what} failed or timed out after {self.timeout.total_seconds():.0f}s: {backend_reason(exc)}"
             ) from None
         if ok is False:
             raise PeerTimeoutError(f"{what} timed out after {self.timeout.total_seconds():.0f}s")

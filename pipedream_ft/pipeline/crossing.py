@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 from .comm import ShapeMismatchError
 
@@ -54,6 +54,9 @@ class Structure:
             leaves.append(consts[i] if i in consts else next(it))
         return list(tree_unflatten(leaves, self.spec))
 
+    def __reduce__(self) -> tuple[Any, ...]:  # TreeSpec itself is not meant to be pickled
+        return _structure, (treespec_dumps(self.spec), self.constants, self.plain)
+
     def check(self, other: Structure, names: Sequence[str], minibatch: int) -> None:
         """Raise :class:`ShapeMismatchError` if ``other`` (this minibatch's) differs from this (the pre-flight's)."""
         if other.spec != self.spec or other.constants != self.constants:
@@ -62,6 +65,10 @@ class Structure:
                 f"{minibatch}: {_describe(other)} instead of {_describe(self)} at the pre-flight; the layers "
                 "must return the same containers and constants for every minibatch"
             )
+
+
+def _structure(spec: str, constants: tuple[tuple[int, Any], ...], plain: bool) -> Structure:
+    return Structure(treespec_loads(spec), constants, plain)
 
 
 def _describe(s: Structure) -> str:

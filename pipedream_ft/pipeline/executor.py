@@ -4,12 +4,15 @@ The executor runs the actions a :class:`~pipedream_ft.pipeline.modes.Mode` sched
 :class:`~pipedream_ft.pipeline.state.StageState`, talking to its neighbours through a
 :class:`~pipedream_ft.pipeline.comm.Messenger`:
 
-* ``F b``: read the inputs (stage 0: ``data(b)``; else: the activations of ``b`` from the previous stage), run
-  the stage with the weight version the mode picks, with the RNG seeded from (seed, stage, ``b``); send the
-  outputs on (the last stage computes the loss).
+* ``F b``: read the inputs (stage 0: from the feed, see :mod:`pipedream_ft.pipeline.data`; else: the
+  activations of ``b`` from the previous stage), run the stage with the weight version the mode picks, with the
+  RNG seeded from (seed, stage, ``b``), under :attr:`Executor.autocast`; send the outputs on (the last stage
+  computes the loss, with the targets from the feed).
 * ``B b``: differentiate with respect to that same version and the inputs; accumulate the parameter gradients;
   send the input gradients back.
-* ``U j``: all-reduce gradients among the stage's replicas, step the optimizer, publish a new weight version.
+* ``U j``: all-reduce gradients among the stage's replicas, apply them (:attr:`Executor.step`: the optimizer step,
+  or :class:`~pipedream_ft.pipeline.stepper.Stepper`'s clipping, loss scaling and LR schedule), publish a new
+  weight version.
 
 **Cuts.** A minibatch can carry *cut flags* in its activation header: stage 0 asks ``decide(b)`` at its forward
 of ``b``, and a non-zero answer marks a cut at ``b + 1`` that travels with the activations to every later
@@ -20,9 +23,10 @@ nobody stopping to agree.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
 from torch.func import functional_call
@@ -37,7 +41,7 @@ from .state import StageState
 from .topology import Topology
 from .versions import Version
 
-__all__ = ["CUT", "STOP", "DataFn", "Executor", "RankStats", "mix_seed"]
+__all__ = ["CUT", "DURABLE", "STOP", "DataFn", "Executor", "RankStats", "mix_seed"]
 
 FAILED = 1
 """Header flag: the upstream stage failed its pre-flight check."""
@@ -45,9 +49,19 @@ CUT = 2
 """Header flag: a checkpoint cut follows this minibatch."""
 STOP = 4
 """Header flag: and the job stops after it (a preemption)."""
+DURABLE = 8
+"""Header flag: the cut's checkpoint goes to the durable tier too (not only the memory tier)."""
 
 DataFn = Callable[[int], tuple[Any, Any]]
 """``data(b) -> (inputs, targets)`` of minibatch ``b``; every rank must see the same stream."""
+
+
+class Feed(Protocol):
+    """What the executor reads minibatches from (see :mod:`pipedream_ft.pipeline.data`)."""
+
+    def inputs(self, b: int, *, preflight: bool = False) -> Any: ...
+
+    def targets(self, b: int, *, preflight: bool = False) -> Any: ...
 
 
 @dataclass(slots=True)
@@ -109,14 +123,14 @@ def _ranges(idx: Sequence[int]) -> str:
 class Executor:
     """Runs one stage replica's actions (see the module docstring)."""
 
-    def __init__(self, topo: Topology, state: StageState, mode: Mode, messenger: Messenger, *,
+    def __init__(self, topo: Topology, state: StageState, mode: Mode, *, device: torch.device,
                  loss_fn: Callable[[Any, Any], torch.Tensor], seed: int, hooks: Hooks) -> None:
         self.topo = topo
         self.state = state
         self.mode = mode
-        self.messenger = messenger
-        self.group = messenger.group
-        self.device = messenger.device
+        self.messenger: Messenger = None  # type: ignore[assignment]  # see attach()
+        self.group: Any = None
+        self.device = device
         self.loss_fn = loss_fn
         self.seed = seed
         self.hooks = hooks
@@ -129,6 +143,8 @@ class Executor:
         """Called after the update that completes the minibatches before a cut, with ``(cut, flags)``."""
         self.cuts: dict[int, int] = {}
         """Cuts announced to this rank and not yet reached: cut -> flags."""
+        self.stop_at: int | None = None
+        """A cut after which the job stops (a preemption): minibatches from there on are not run."""
         self.preflight_done = False
         self._in_structure: Structure | None = None
         """Structure of the values this stage receives (learned at the pre-flight)."""
@@ -138,6 +154,19 @@ class Executor:
         self._act_recv: dict[int, RecvHandle] = {}
         self._generator = torch.cuda.default_generators[self.device.index or 0] if self.device.type == "cuda" \
             else torch.default_generator
+        self.step: Callable[[], None] = self._step
+        """Applies the summed gradients: the optimizer step (then ``zero_grad``) unless replaced."""
+        self.autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+        """The context of every forward and loss (mixed precision, :mod:`pipedream_ft.pipeline.precision`)."""
+        self.loss_factor: Callable[[], float] = lambda: 1.0
+        """A further factor on each loss before its backward (the float16 loss scale)."""
+
+    def attach(self, messenger: Messenger | None) -> None:
+        """Talk through ``messenger`` (the current epoch's); ``None`` lets go of the previous one."""
+        self.messenger = messenger  # type: ignore[assignment]
+        self.group = messenger.group if messenger is not None else None
+        if self.state.tied:
+            self.state.tied.messenger = messenger
 
     # -- inputs ---------------------------------------------------------------------------------------------
 
@@ -159,7 +188,7 @@ class Executor:
 
     # -- pre-flight -----------------------------------------------------------------------------------------
 
-    def preflight(self, data: DataFn) -> None:
+    def preflight(self, data: Feed) -> None:
         """Push one minibatch forward through every stage (no gradients, eval mode) before training.
 
         Every link learns its tensor shapes and the structure of the values crossing it, and a stage that
@@ -176,7 +205,7 @@ class Executor:
         try:
             module.eval()
             if topo.is_first:
-                inputs = self._model_inputs(data(self.state.position)[0])
+                inputs = self._model_inputs(data.inputs(self.state.position, preflight=True))
             else:
                 received = []
                 for peer in topo.peers(topo.stage - 1):
@@ -190,10 +219,11 @@ class Executor:
                         received.append(upstream.join(tensors))
                 inputs = received[0] if received else []
             if not failed_upstream:
-                with torch.no_grad():
+                with torch.no_grad(), self.autocast():
                     out = module(*inputs)
+                    if topo.is_last:
+                        loss = self.loss_fn(out, self._to_device(data.targets(self.state.position, preflight=True)))
                 if topo.is_last:
-                    loss = self.loss_fn(out, self._to_device(data(self.state.position)[1]))
                     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
                         raise PipelineSetupError(f"loss_fn must return a scalar tensor, got {loss!r:.80}")
                 else:
@@ -227,7 +257,7 @@ class Executor:
 
     def post_activation_recv(self, b: int) -> None:
         """Post the receive of minibatch ``b``'s activations (ahead of its forward)."""
-        if not self.topo.is_first and b not in self._act_recv:
+        if not self.topo.is_first and b not in self._act_recv and (self.stop_at is None or b < self.stop_at):
             self._act_recv[b] = self.messenger.post_activations(self.topo.peer(self.topo.stage - 1, b), b)
 
     def _waited(self, handle: RecvHandle, what: str) -> None:
@@ -236,14 +266,21 @@ class Executor:
             end = time.time()
             self.hooks.on_wait(what, handle.minibatch, handle.peer, end - handle.wait_s, end)
 
-    def forward(self, b: int, data: DataFn) -> None:
+    def _cut(self, b: int, flags: int) -> None:
+        self.cuts[b + 1] = flags
+        if flags & STOP:
+            self.stop_at = b + 1
+
+    def forward(self, b: int, data: Feed) -> None:
+        if self.stop_at is not None and b >= self.stop_at:
+            return  # the job stops at the cut before: this minibatch is for the next attempt
         topo, state = self.topo, self.state
         leaves: list[torch.Tensor] = []
         if topo.is_first:
-            inputs = self._model_inputs(data(b)[0])
+            inputs = self._model_inputs(data.inputs(b))
             flags = self.decide(b) if self.decide is not None else 0
             if flags & CUT:
-                self.cuts[b + 1] = flags
+                self._cut(b, flags)
             tag = self.mode.version_for(topo, state.versions, b, 0).updates
             header = Header(b, tag, flags)
         else:
@@ -255,7 +292,7 @@ class Executor:
             leaves = [t.requires_grad_() if t.is_floating_point() else t for t in leaves]
             inputs = self._in_structure.join(leaves)
             if header.flags & CUT:
-                self.cuts[b + 1] = header.flags
+                self._cut(b, header.flags)
         t0 = time.perf_counter()
         w0 = time.time()
         version = self.mode.version_for(topo, state.versions, b, header.tag)
@@ -268,16 +305,19 @@ class Executor:
         saved = gen.get_state()
         gen.manual_seed(mix_seed(self.seed, topo.stage, b))  # this forward's RNG, reproducible
         try:
-            out = functional_call(state.module, params, tuple(inputs))
+            with self.autocast():
+                out = functional_call(state.module, params, tuple(inputs))
         finally:
             gen.set_state(saved)  # the caller's RNG stream is left as it was
         loss = None
         outputs: list[torch.Tensor] = []
         grad_recv = None
         if topo.is_last:
-            loss = self.loss_fn(out, self._to_device(data(b)[1]))
+            targets = self._to_device(data.targets(b))
+            with self.autocast():
+                loss = self.loss_fn(out, targets)
             self.losses.append((b, float(loss.detach())))
-            scale = self.mode.loss_scale()
+            scale = self.mode.loss_scale() * self.loss_factor()
             if scale != 1.0:
                 loss = loss * scale
         else:
@@ -295,6 +335,8 @@ class Executor:
         self._note_stash()
 
     def backward(self, b: int) -> None:
+        if self.stop_at is not None and b >= self.stop_at:
+            return
         topo, state = self.topo, self.state
         rec = self._inflight.pop(b)
         if topo.is_last:
@@ -359,9 +401,7 @@ class Executor:
             if marks and not flags:
                 # the replica that ran the marked minibatch tells the others through the all-reduce
                 flags = self.cuts[round_end] = marks
-        if state.optimizer is not None:
-            state.optimizer.step()
-            state.optimizer.zero_grad(set_to_none=True)
+        self.step()
         state.versions.publish()
         if state.tied:
             state.tied.on_update(round_)
@@ -372,6 +412,11 @@ class Executor:
         if flags and self.on_cut is not None:
             del self.cuts[round_end]
             self.on_cut(round_end, flags)
+
+    def _step(self) -> None:
+        if self.state.optimizer is not None:
+            self.state.optimizer.step()
+            self.state.optimizer.zero_grad(set_to_none=True)
 
     def _note_stash(self) -> None:
         versions = self.state.versions
@@ -391,10 +436,18 @@ class Executor:
         merged = sorted(x for part in gathered if part for x in part)
         return [loss for _, loss in merged]
 
-    def reset(self) -> None:
-        """Forget in-flight minibatches and pending receives (after a failure or before a new run)."""
+    def abandon(self) -> None:
+        """Forget in-flight minibatches, pending receives and cuts: the group they were on failed. Drops every
+        reference to its pending operations."""
         self._inflight.clear()
         self._act_recv.clear()
         self.cuts.clear()
-        self.losses = []
+        self.stop_at = None
+        if self.state.tied:
+            self.state.tied.release()
+        self.preflight_done = False
+
+    def rewind(self, position: int) -> None:
+        """Training goes on from ``position``: forget the losses of the minibatches that will be computed again."""
+        self.losses = [(b, loss) for b, loss in self.losses if b < position]
 

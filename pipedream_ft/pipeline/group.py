@@ -17,13 +17,29 @@ down cleanly (the end of training), so that no backend thread outlives the train
 from __future__ import annotations
 
 import pickle
+import re
 from datetime import timedelta
 from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommGroup"]
+__all__ = ["CommGroup", "GroupError", "PeerTimeoutError", "backend_reason"]
+
+
+class PeerTimeoutError(RuntimeError):
+    """A transfer or collective with a peer failed or did not complete within the timeout."""
+
+
+class GroupError(PeerTimeoutError):
+    """An operation of the group failed: a peer died, stopped answering, or the group was shut down."""
+
+
+def backend_reason(exc: BaseException) -> str:
+    """The useful part of a backend's error: no source location, no boilerplate advice."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text)
+    return text.split(" This is typically")[0].strip()
 
 
 def _new_backend(backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta,
@@ -59,6 +75,7 @@ class CommGroup:
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
         self._groups: list[Any] = []
+        self.closed = False
         self.world = self._make(backend, dist.PrefixStore("world/", store), rank, world_size)
         self.control = self.world if backend == "gloo" else \
             self._make("gloo", dist.PrefixStore("control/", store), rank, world_size)
@@ -88,11 +105,17 @@ class CommGroup:
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int, channel: str) -> Any:
         pg, dst = self._route(peer, channel)
-        return pg.send([tensor], dst, tag)
+        try:
+            return pg.send([tensor], dst, tag)
+        except RuntimeError as exc:  # the connection to the peer is gone
+            raise GroupError(f"cannot send to rank {peer}: {backend_reason(exc)}") from None
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int, channel: str) -> Any:
         pg, src = self._route(peer, channel)
-        return pg.recv([tensor], src, tag)
+        try:
+            return pg.recv([tensor], src, tag)
+        except RuntimeError as exc:
+            raise GroupError(f"cannot receive from rank {peer}: {backend_reason(exc)}") from None
 
     # -- collectives --------------------------------------------------------------------------------------------
 
@@ -100,7 +123,10 @@ class CommGroup:
         """Start the sum of ``tensor`` over this stage's replicas; returns the work to wait for."""
         if self.replica is None:
             raise RuntimeError("this rank's stage is not replicated")
-        return self.replica.allreduce([tensor])
+        try:
+            return self.replica.allreduce([tensor])
+        except RuntimeError as exc:
+            raise GroupError(f"cannot start the replicas' all-reduce: {backend_reason(exc)}") from None
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), in rank order. A collective over the control group, on the CPU."""
@@ -119,23 +145,27 @@ class CommGroup:
         self._wait(self.control.barrier(), "barrier")
 
     def _wait(self, work: Any, what: str) -> None:
-        if work.wait(self.timeout) is False:
-            raise TimeoutError(f"{what} timed out after {self.timeout.total_seconds():.0f}s")
+        try:
+            ok = work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise GroupError(f"{what} failed: {backend_reason(exc)}") from None
+        if ok is False:
+            raise GroupError(f"{what} timed out after {self.timeout.total_seconds():.0f}s")
 
     # -- ending -------------------------------------------------------------------------------------------------
 
     def abort(self) -> None:
-        """Cancel every pending operation and drop every connection (a peer failed). Idempotent."""
+        """Cancel what the backend can cancel (NCCL: every pending operation). With gloo, pending operations end
+        when the group's connections close: call :meth:`close` and drop every pending work. Idempotent."""
         for pg in self._groups:
             try:
                 pg.abort()
             except Exception:  # a backend without abort, or one already torn down
                 pass
-        self._groups.clear()
-        self._links.clear()
 
     def close(self) -> None:
-        """Shut every group down cleanly, so no backend thread outlives the trainer. Idempotent."""
+        """Shut every group down and let go of it. Once the caller holds no pending work either, its connections
+        close (peers waiting on this rank fail at once) and no backend thread outlives it. Idempotent."""
         for pg in self._groups:
             try:
                 pg.shutdown()
@@ -143,3 +173,5 @@ class CommGroup:
                 pass
         self._groups.clear()
         self._links.clear()
+        self.world = self.control = self.replica = None
+        self.closed = True

@@ -2,7 +2,8 @@
 
 :class:`StageState` holds what a rank must get back to continue exactly where a checkpoint was cut: the stage's
 weights, the weight versions its in-flight minibatches read (the stash), the optimizer state, the CPU RNG, the
-data position and any user ``extra`` state (objects with ``state_dict``/``load_state_dict``).
+data position, any user ``extra`` state (objects with ``state_dict``/``load_state_dict``) and *components*
+(the data source's state, the LR scheduler, the loss scale: see :mod:`pipedream_ft.pipeline.components`).
 
 :meth:`StageState.capture` returns a *part*: a nested dict of tensors and plain values (the checkpoint format's
 unit). :meth:`StageState.restore` loads a part written by the same stage of the same plan; :meth:`StageState.reshard`
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import PipelineSetupError
+from .components import Component
 from .tied import TiedParameters
 from .versions import Version, VersionStore
 
@@ -60,6 +62,8 @@ class StageState:
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise PipelineSetupError(f"extra_state {name!r} ({type(obj).__name__}) has no state_dict() and "
                                          "load_state_dict(); it cannot be checkpointed")
+        self.components: dict[str, Component] = {}
+        """Further state captured and restored with the part (see :mod:`pipedream_ft.pipeline.components`)."""
 
     @property
     def live_params(self) -> list[nn.Parameter]:
@@ -73,21 +77,33 @@ class StageState:
 
     # -- checkpoint parts ---------------------------------------------------------------------------------------
 
-    def capture(self, cut: int) -> dict[str, Any]:
-        """This rank's part of the checkpoint at ``cut`` (taken right after its update for minibatch ``cut - 1``)."""
-        versions = {u: list(v.tensors) for u, v in self.versions.history.items()}
+    def capture(self, cut: int, frozen: Callable[[Any], Any] = lambda value: value) -> dict[str, Any]:
+        """This rank's part of the checkpoint at ``cut`` (taken right after its update for minibatch ``cut - 1``).
+
+        ``frozen`` wraps the values whose tensors are never modified afterwards (weight versions, and the
+        weights themselves, which right after an update are the newest version), so that a snapshot may refer to
+        them instead of copying (see :func:`pipedream_ft.checkpoint.snapshot.immutable`).
+        """
+        versions = {u: frozen(list(v.tensors)) for u, v in self.versions.history.items()}
+        current = {id(p): t for p, t in zip(self.params, self.versions.current.tensors)}
+        if self.tied:
+            current.update({id(g.param): g.versions.current.tensors[0] for g in self.tied.groups})
+        live = {n: p for n, p in self.module.named_parameters(remove_duplicate=False)}
+        model = {k: frozen(current[id(live[k])]) if k in live and id(live[k]) in current else v
+                 for k, v in self.module.state_dict().items()}
         state: dict[str, Any] = {
             "position": cut,
             "updates": self.versions.current.updates,
             "stage": self.stage,
             "replica": self.replica,
-            "model": self.module.state_dict(),
+            "model": model,
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "param_names": list(self.param_names),
             "versions": versions,
             "rng": torch.get_rng_state(),
             "extra": {name: obj.state_dict() for name, obj in self.extra.items()},
-            "tied": self.tied.capture() if self.tied else {},
+            "tied": self.tied.capture(frozen) if self.tied else {},
+            "components": {name: c.capture(cut) for name, c in self.components.items()},
         }
         device = self.params[0].device if self.params else torch.device("cpu")
         if device.type == "cuda":
@@ -116,6 +132,8 @@ class StageState:
         if "cuda_rng" in state and device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"], device)
         self._load_extra([state])
+        for name, c in self.components.items():
+            c.restore(state.get("components", {}).get(name))
 
     def reshard(self, parts: Sequence[dict[str, Any]], cut: int, *, updates_per_round: int, window: int) -> int:
         """Load the checkpoint at ``cut`` written under another plan, gathering this stage's layers from the old
@@ -135,6 +153,8 @@ class StageState:
         self.position = start
         torch.set_rng_state(parts[0]["rng"])
         self._load_extra(parts)
+        for name, c in self.components.items():
+            c.reshard([p.get("components", {}).get(name) for p in parts])
         return start
 
     def _load_extra(self, parts: Sequence[dict[str, Any]]) -> None:

@@ -124,6 +124,8 @@ class _Group:
         self.partners = {s: topo.plan.stages[s].ranks[topo.replica] for s in spec.stages if s != topo.stage}
         """The rank of every other holder stage this rank exchanges gradients with."""
         self.optimizer = optimizer_factory([param])
+        self.scheduler: Any = None
+        """Its LR scheduler (built by the trainer's ``scheduler_factory``), stepped after each tied update."""
         rule_stage = 0 if isinstance(mode, Vertical) else self.first
         self.keep = 0 if isinstance(mode, Flush) else in_flight(rule_stage, topo.replicas) - 1
         self.versions = VersionStore([param], keep=self.keep)
@@ -172,6 +174,14 @@ class TiedParameters:
 
     def __bool__(self) -> bool:
         return bool(self.groups)
+
+    def attach_schedulers(self, factory: Callable[[torch.optim.Optimizer], Any]) -> None:
+        """Give every tied parameter's optimizer a scheduler from ``factory``: stepped after each tied update, so
+        the tied parameter follows the same learning-rate schedule as the stage's own parameters."""
+        from .scheduler import build_scheduler
+
+        for g in self.groups:
+            g.scheduler = build_scheduler(factory, g.optimizer)
 
     def links(self) -> list[tuple[int, str]]:
         """``(peer, "tied")`` for every rank this one exchanges tied gradients with."""
@@ -254,15 +264,24 @@ class TiedParameters:
             g.param.grad = total
             g.optimizer.step()
             g.optimizer.zero_grad(set_to_none=True)
+            if g.scheduler is not None:
+                g.scheduler.step()
             g.versions.publish()
             del g.grads[k]
 
     # -- checkpoint parts -------------------------------------------------------------------------------------
 
-    def capture(self) -> dict[str, Any]:
+    def capture(self, frozen: Callable[[Any], Any] = lambda value: value) -> dict[str, Any]:
         return {g.spec.name: {"optimizer": g.optimizer.state_dict(), "updates": g.applied,
-                              "versions": {u: v.tensors[0] for u, v in g.versions.history.items()}}
+                              "versions": {u: frozen(v.tensors[0]) for u, v in g.versions.history.items()},
+                              "scheduler": g.scheduler.state_dict() if g.scheduler is not None else None}
                 for g in self.groups}
+
+    def release(self) -> None:
+        """Forget pending gradient exchanges (the group they were on is gone)."""
+        for g in self.groups:
+            g.recvs.clear()
+            g.grads.clear()
 
     def restore(self, state: dict[str, Any]) -> None:
         for g in self.groups:
@@ -270,6 +289,8 @@ class TiedParameters:
                 raise PipelineSetupError(f"the checkpoint has no state for tied parameter {g.spec.name}")
             part = state[g.spec.name]
             g.optimizer.load_state_dict(part["optimizer"])
+            if g.scheduler is not None and part.get("scheduler") is not None:
+                g.scheduler.load_state_dict(part["scheduler"])
             g.versions = VersionStore([g.param], updates=int(part["updates"]), keep=g.keep)
             for u, t in part["versions"].items():
                 g.versions.add(Version(int(u), (t.to(g.param.device).requires_grad_(g.param.requires_grad),)))

@@ -1,0 +1,192 @@
+"""In-place recovery: the ranks that did not fail keep their processes; the failed rank's replacement joins them.
+
+**Epochs.** A group runs in *epochs*: epoch ``k`` is the group formed after ``k`` failures (the counter lives in
+the job's store, see :class:`~pipedream_ft.ft.coordination.LiveGroup`). A rank that sees epoch ``k`` fail —
+a peer's connection closing, a wait timing out, or its supervisor reporting that its process died — counts the
+failure once (``k -> k + 1``) and *joins* the next epoch with a record of what it can restore: the cuts of
+every checkpoint tier that hold its part (its node's shared memory, a peer's copy, the durable storage). A
+replacement process, started by the dead rank's supervisor with the torch modules already imported, joins the
+same way.
+
+**Forming.** Once every rank has joined epoch ``j`` one of them settles it as *formed* (an atomic
+compare-and-set: a failure reported meanwhile settles it *failed* instead, and everybody joins the next one);
+all ranks then roll back to the newest cut that *every* rank can restore and build the epoch's process groups.
+A rank that does not join and whose heartbeat has stopped (``SIGSTOP``, a deadlock) is *evicted*: its
+supervisor kills it and starts a replacement. A replacement started with another plan, model or checkpoint
+location (another *fingerprint*) stops the recovery with one line naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import PipelineError
+from .coordination import FAILED, FORMED, LiveGroup
+
+__all__ = ["Formed", "Heartbeat", "Membership", "RecoveryFailed"]
+
+log = logging.getLogger(__name__)
+
+
+class RecoveryFailed(PipelineError):
+    """The group could not be formed again (a rank never came back, nothing every rank can restore, or a
+    replacement that does not match); the processes stop and a full restart (torchrun) takes over."""
+
+
+@dataclass(frozen=True, slots=True)
+class Formed:
+    """An epoch every rank agreed on."""
+
+    epoch: int
+    cut: int
+    """The newest cut every rank can restore: where training continues."""
+    records: dict[int, dict[str, Any]]
+    """Every rank's join record (incarnation, cuts, fingerprint)."""
+
+
+class Heartbeat:
+    """Writes this rank's heartbeat (with its incarnation) to the store every ``interval_s`` from a thread, so
+    that a stopped or deadlocked process can be told from a slow one."""
+
+    def __init__(self, live: LiveGroup, rank: int, incarnation: int, interval_s: float = 0.25) -> None:
+        self.live = live
+        self.rank = rank
+        self.incarnation = incarnation
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self.live.heartbeat(rank, incarnation)
+        self._thread = threading.Thread(target=self._run, name="pipedream-ft-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.live.heartbeat(self.rank, self.incarnation)
+            except Exception:  # the store went away: the job is ending
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+class Membership:
+    """This rank's side of forming epochs (see the module docstring)."""
+
+    def __init__(self, live: LiveGroup, *, rank: int, world_size: int, incarnation: int, fingerprint: str,
+                 timeout_s: float, stale_s: float = 2.0, startup_grace_s: float = 60.0, poll_s: float = 0.005,
+                 on_join: Callable[[int], None] | None = None) -> None:
+        self.live = live
+        self.rank = rank
+        self.world_size = world_size
+        self.incarnation = incarnation
+        self.fingerprint = fingerprint
+        self.timeout_s = timeout_s
+        self.stale_s = stale_s
+        self.startup_grace_s = startup_grace_s
+        self.poll_s = poll_s
+        self.on_join = on_join
+        """Called with the epoch after each join (fault injection uses it)."""
+        self.epoch = 0
+        """The epoch this rank runs in (or last ran in)."""
+
+    def report_failure(self) -> None:
+        """Count the failure of the current epoch (idempotent across ranks)."""
+        self.live.report_failure(self.epoch)
+
+    def form(self, cuts: Callable[[], list[int]]) -> Formed:
+        """Join the newest epoch and wait until it is formed; returns it with the agreed cut. ``cuts()`` lists
+        the cuts this rank can restore (asked again at every attempt). Raises :class:`RecoveryFailed`."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            epoch = self.live.failures()
+            mine = sorted(set(cuts()))
+            self.live.running(self.rank, epoch)  # a death from now on fails this epoch
+            self.live.join(epoch, self.rank, {"incarnation": self.incarnation, "cuts": mine,
+                                             "fingerprint": self.fingerprint})
+            if self.on_join is not None:
+                self.on_join(epoch)
+            formed = self._wait_formed(epoch, deadline)
+            if formed is not None:
+                self.epoch = epoch
+                return formed
+
+    def confirm(self, formed: Formed, ok: bool) -> bool:
+        """Tell the others whether this rank restored ``formed.cut``, and wait for theirs: ``True`` if every rank
+        did; otherwise the epoch is counted failed (the caller forms the next one, without the bad cut)."""
+        epoch = formed.epoch
+        self.live.confirm(epoch, self.rank, ok)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            got = self.live.confirmations(epoch, self.world_size)
+            if not all(got.values()) or self.live.failures() > epoch:
+                self.live.report_failure(epoch)
+                return False
+            if len(got) == self.world_size:
+                return True
+            if time.monotonic() > deadline:
+                missing = [r for r in range(self.world_size) if r not in got]
+                raise RecoveryFailed(f"ranks {missing} did not restore cut {formed.cut} within {self.timeout_s:.0f}s")
+            time.sleep(self.poll_s)
+
+    def _wait_formed(self, epoch: int, deadline: float) -> Formed | None:
+        next_eviction_check = 0.0
+        while True:
+            decision = self.live.decision(epoch)
+            if decision == FAILED or self.live.failures() > epoch:
+                return None
+            records = self.live.joined(epoch, self.world_size)
+            if decision is None and len(records) == self.world_size:
+                decision = self.live.decide(epoch, FORMED)
+            if decision == FORMED:
+                records = self.live.joined(epoch, self.world_size)
+                return Formed(epoch, self._agree(epoch, records), records)
+            if decision == FAILED:
+                return None
+            now = time.monotonic()
+            if now > deadline:
+                missing = [r for r in range(self.world_size) if r not in records]
+                raise RecoveryFailed(f"the group could not be formed again within {self.timeout_s:.0f}s: "
+                                     f"ranks {missing} did not come back (epoch {epoch})")
+            if now >= next_eviction_check:
+                next_eviction_check = now + 0.1
+                self._evict_the_silent(epoch, records)
+            time.sleep(self.poll_s)
+
+    def _evict_the_silent(self, epoch: int, records: dict[int, dict[str, Any]]) -> None:
+        """Ask the supervisors of ranks that have not joined and have stopped beating to replace them."""
+        for rank in range(self.world_size):
+            if rank in records:
+                continue
+            started, since_started = self.live.replacement(rank)
+            beat = self.live.last_heartbeat(rank)
+            if beat is not None and beat[1] == started:
+                silent = beat[0] > self.stale_s
+            else:  # the newest process has not beaten yet: give it time to start
+                silent = since_started > self.startup_grace_s
+            if silent and self.live.evicted(rank) != started:
+                log.warning("rank %d (process %d) stopped answering; asking its supervisor to replace it",
+                            rank, started)
+                self.live.evict(rank, started)
+
+    def _agree(self, epoch: int, records: dict[int, dict[str, Any]]) -> int:
+        prints = {r: rec["fingerprint"] for r, rec in records.items()}
+        usual = Counter(prints.values()).most_common(1)[0][0]
+        odd = sorted(r for r, fp in prints.items() if fp != usual)
+        if odd:
+            raise RecoveryFailed(f"ranks {odd} run another plan, model or checkpoint location than the others "
+                                 f"(fingerprint {prints[odd[0]][:12]} instead of {usual[:12]}); they cannot join "
+                                 "this group")
+        common = set(records[0]["cuts"])
+        for rec in records.values():
+            common &= set(rec["cuts"])
+        if not common:
+            raise RecoveryFailed(f"no checkpoint cut that every rank can restore (epoch {epoch}: "
+                                 + "; ".join(f"rank {r}: {rec['cuts'][-3:]}" for r, rec in sorted(records.items()))
+                                 + ")")
+        return max(common)

@@ -1,0 +1,70 @@
+"""The one call a training script ends with: ``pipedream_ft.launch(main)``.
+
+It runs ``main`` as this rank's training and exits the process with a meaningful status:
+
+* known errors print one line (set-up errors once, from rank 0; runtime failures from every rank that sees them)
+  instead of a traceback per rank;
+* every trainer's process groups are shut down before the interpreter exits, so no backend thread can abort
+  a finished run;
+* under torchrun (``recovery="in-place"``, the default there) the rank runs under a
+  :class:`~pipedream_ft.ft.supervisor.Supervisor`: a training process that dies is replaced by a fresh one
+  forked from the supervisor, with torch already imported, and the surviving ranks keep their processes and
+  memory (see :mod:`pipedream_ft.ft.recovery`). ``recovery="restart"`` leaves failures to torchrun, which
+  restarts every process.
+
+Launch with ``torchrun --nproc-per-node N [--max-restarts R] script.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Callable, NoReturn
+
+from .env import read_env
+from .errors import run_reporting_errors
+
+__all__ = ["RECOVERY_MODES", "launch"]
+
+RECOVERY_MODES = ("in-place", "restart")
+
+
+def launch(main: Callable[..., Any], *args: Any, recovery: str | None = None, max_replacements: int = 16,
+           **kwargs: Any) -> NoReturn:
+    """Run ``main(*args, **kwargs)`` as this rank's training and exit (see the module docstring).
+
+    ``recovery``: ``"in-place"`` or ``"restart"``; default ``$PIPEDREAM_FT_RECOVERY``, else ``"in-place"`` under
+    torchrun (whose agent hosts the job's store, which must outlive any one worker) and ``"restart"`` otherwise.
+    ``max_replacements``: how many times a rank's process may be replaced in place before the failure is left
+    to torchrun.
+    """
+    env = read_env()
+    mode = recovery or os.environ.get("PIPEDREAM_FT_RECOVERY") or ("in-place" if env.use_agent_store else "restart")
+    if mode not in RECOVERY_MODES:
+        raise ValueError(f"recovery must be one of {RECOVERY_MODES}, got {mode!r}")
+    if mode == "in-place" and not (env.use_agent_store and hasattr(os, "fork")):
+        logging.getLogger(__name__).warning(
+            "in-place recovery needs torchrun's agent to host the job's store (and fork); failures restart the group")
+        mode = "restart"
+
+    def train() -> int:
+        from .trainer import release_all
+
+        try:
+            code, _ = run_reporting_errors(main, *args, **kwargs)
+        finally:
+            release_all()
+        return code
+
+    if mode == "in-place":
+        from .ft.supervisor import Supervisor
+
+        code = Supervisor(env, max_replacements=max_replacements).run(train)
+    else:
+        os.environ["PIPEDREAM_FT_RECOVERY"] = "restart"
+        code = train()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)

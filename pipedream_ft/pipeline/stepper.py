@@ -1,0 +1,93 @@
+"""The update of one stage replica, once its gradients are summed over its replicas: unscale, clip, agree,
+step (or skip), step the LR scheduler.
+
+* **Gradient clipping** (``PipelineConfig(clip_grad_norm=c)``, the 2-norm). In the asynchronous modes
+  (``"stash"``, ``"vertical"``) each stage clips its own gradient to norm ``c`` — stages update at different
+  times, on gradients of different minibatches, so there is no global gradient to take the norm of. In
+  ``"flush"`` mode the window's gradient of the whole model exists at the common update, and it is clipped
+  by its **global** norm, exactly like ``torch.nn.utils.clip_grad_norm_`` over all the model's parameters:
+  each stage's squared norm is counted once (by its replica 0; replicas hold the same summed gradient),
+  summed over the world by an all-reduce, and every stage scales by ``c / (norm + 1e-6)`` if that is below 1.
+* **float16 loss scaling** (flush mode only; see :mod:`pipedream_ft.pipeline.precision`): gradients are
+  unscaled first; the found-inf flags ride in the same all-reduce, and all stages skip the update together.
+
+Replicas of a stage hold identical gradients after their all-reduce, so they take identical decisions. A stage
+without parameters has nothing to step but still joins the flush-mode all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .comm import Messenger
+from .precision import LossScaler
+from .scheduler import SchedulerComponent
+from .state import StageState
+from .topology import Topology
+
+__all__ = ["Stepper"]
+
+
+class Stepper:
+    """Applies a stage replica's accumulated gradients (see the module docstring)."""
+
+    def __init__(self, state: StageState, *, topo: Topology, synchronous: bool, messenger: Messenger,
+                 clip_grad_norm: float | None = None, scaler: LossScaler | None = None,
+                 scheduler: SchedulerComponent | None = None) -> None:
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be > 0, got {clip_grad_norm}")
+        if scaler is not None and not synchronous:
+            raise ValueError("loss scaling needs a synchronous (flush) mode")
+        self.state = state
+        self.topo = topo
+        self.synchronous = synchronous
+        self.messenger = messenger
+        self.clip = clip_grad_norm
+        self.scaler = scaler
+        self.scheduler = scheduler
+        self.last_norm: float | None = None
+        """The gradient norm of the last update (the global one in flush mode), when clipping."""
+
+    @property
+    def agrees(self) -> bool:
+        """Whether each update all-reduces over the world (flush mode with clipping or loss scaling)."""
+        return self.synchronous and (self.clip is not None or self.scaler is not None)
+
+    def step(self) -> None:
+        """The update: called by the executor after the replica all-reduce, on every rank."""
+        state = self.state
+        grads = [p.grad for p in state.live_params if p.grad is not None]
+        found = torch.zeros(())
+        if self.scaler is not None:
+            found = self.scaler.unscale(grads)
+        skip = False
+        if self.agrees:
+            sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
+            if self.clip is not None and self.topo.replica == 0 and grads:
+                sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]).pow(2).sum()
+            flat = torch.stack([sq.cpu(), found.cpu().double()])
+            work = self.messenger.group.control.allreduce([flat])
+            self.messenger.wait(work, "all-reduce of gradient norms and overflow flags over every stage")
+            skip = bool(flat[1] > 0)
+            if self.clip is not None and not skip:
+                self._scale(grads, math.sqrt(float(flat[0])))
+        elif self.clip is not None and grads:
+            self.last_norm = float(torch.nn.utils.clip_grad_norm_(state.live_params, self.clip))
+        if state.optimizer is not None:
+            if not skip:
+                state.optimizer.step()
+            state.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.update(skip)
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def _scale(self, grads: list[torch.Tensor], norm: float) -> None:
+        assert self.clip is not None
+        self.last_norm = norm
+        coef = self.clip / (norm + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
