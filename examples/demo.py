@@ -5,9 +5,9 @@
 1. profiles ``examples.models:digits_cnn`` layer by layer (``pipedream-profile``),
 2. plans it for 4 workers with PipeDream's dynamic program (``pipedream-partition``),
 3. trains it on scikit-learn's digits with ``torchrun`` on 4 CPU processes, checkpointing to a local directory,
-   with rank 2 killed (SIGKILL) part-way; torchrun restarts the group and it resumes from the last committed
-   checkpoint,
-4. prints the ends of the loss curve, the restart, the work redone, and where the timeline PNG is.
+   with rank 2's training process killed (SIGKILL) part-way; its supervisor starts a replacement, the other three
+   keep their processes, and all four go on from the newest checkpoint they all have (in-place recovery),
+4. prints the ends of the loss curve, the recovery, the work redone, and where the timeline PNG is.
 """
 
 from __future__ import annotations
@@ -82,9 +82,14 @@ def main() -> int:
     print(f"   loss: first 20 minibatches {sum(first) / len(first):.4f} → last 20 {sum(last) / len(last):.4f}")
     attempts = sorted({r["attempt"] for r in records})
     redone = max((r["redone"] for r in records if r["attempt"] == attempts[-1]), default=0)
+    recovered = [l for l in log.splitlines() if "recovered in place" in l]
     resumed = [l for l in log.splitlines() if "resumed from checkpoint" in l]
-    print(f"   restarts: {len(attempts) - 1}" + (f" — {resumed[0].split(': ', 1)[1]}" if resumed else ""))
-    print(f"   work redone after the failure: {redone} minibatches (checkpoint every {args.ckpt_every})")
+    if recovered:
+        print(f"   recovery: {recovered[0].split(': ', 1)[1]}")
+    print(f"   restarts of the whole group: {len(attempts) - 1}"
+          + (f" — {resumed[0].split(': ', 1)[1]}" if resumed else ""))
+    print(f"   work redone after the failure: {redone} minibatches (memory checkpoint every 8, durable every "
+          f"{args.ckpt_every})")
     from pipedream_ft.observe.plot import draw_timeline
     from pipedream_ft.observe.timeline import merge_traces, trace_files
 

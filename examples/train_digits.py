@@ -32,10 +32,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `examples` must import
 
+import pipedream_ft  # noqa: E402
 from examples.models import digits_cnn  # noqa: E402
 from partitioner.plan import Plan, load_plan  # noqa: E402
-from pipedream_ft import shutdown  # noqa: E402
-from pipedream_ft.errors import PipelineSetupError, exit_on_error  # noqa: E402
+from pipedream_ft.errors import PipelineSetupError  # noqa: E402
 from pipedream_ft import CheckpointConfig  # noqa: E402
 from pipedream_ft.policies import EveryNSteps  # noqa: E402
 from pipedream_ft import PipelineConfig, PipelineTrainer
@@ -181,7 +181,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"minibatch {result.start + end:5d}  loss {np.mean(losses[end - LOG_EVERY:end]):.4f}", flush=True)
         if not losses:
             print(f"nothing to train: the checkpoint is already at minibatch {trainer.position}", flush=True)
-            shutdown()
             return 0
         window = min(LOG_EVERY, len(losses))
         first, last = float(np.mean(losses[:window])), float(np.mean(losses[-window:]))
@@ -195,9 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.save:
             torch.save(state, args.save)
             print(f"saved weights to {args.save}", flush=True)
-    shutdown()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(exit_on_error(main))
+    pipedream_ft.launch(main)  # one-line errors, clean teardown, and in-place recovery under torchrun

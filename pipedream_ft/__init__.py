@@ -16,6 +16,7 @@ from .env import DistEnv, read_env
 from .errors import PipelineError, PipelineSetupError, exit_on_error
 from .ft.checkpointer import CheckpointConfig, Preempted
 from .ft.coordination import init_distributed, shutdown
+from .ft.replan import RePlanPolicy
 from .launch import launch
 from .pipeline.comm import PeerTimeoutError, ShapeMismatchError
 from .pipeline.evaluate import EvalResult
@@ -48,6 +49,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "Preempted",
+    "RePlanPolicy",
     "PreemptionHandler",
     "RankStats",
     "ShapeMismatchError",

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any, Callable
 
-__all__ = ["EXIT_PREEMPTED", "EXIT_RECOVERY_FAILED", "EXIT_RUNTIME", "EXIT_SETUP", "PipelineError",
+__all__ = ["EXIT_PREEMPTED", "EXIT_RECOVERY_FAILED", "EXIT_REPLAN", "EXIT_RUNTIME", "EXIT_SETUP", "PipelineError",
            "PipelineSetupError", "exit_on_error", "run_reporting_errors"]
 
 
@@ -27,6 +27,8 @@ EXIT_PREEMPTED = 3
 """Exit status after a preemption notice, once the emergency checkpoint is committed."""
 EXIT_RECOVERY_FAILED = 4
 """Exit status when the group could not be formed again in place (a full restart is needed)."""
+EXIT_REPLAN = 5
+"""Exit status at a re-planning cut: the processes start again on the new plan (see :mod:`pipedream_ft.ft.replan`)."""
 
 
 def run_reporting_errors(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[int, Any]:
@@ -42,6 +44,7 @@ def run_reporting_errors(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> t
     from .checkpoint import CheckpointError
     from .ft.checkpointer import Preempted
     from .ft.recovery import RecoveryFailed
+    from .ft.replan import RePlanned
     from .pipeline.comm import PeerTimeoutError, ShapeMismatchError
 
     rank = os.environ.get("RANK", "0")
@@ -57,6 +60,8 @@ def run_reporting_errors(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> t
             return EXIT_PREEMPTED, None
         if isinstance(exc, RecoveryFailed):
             return EXIT_RECOVERY_FAILED, None
+        if isinstance(exc, RePlanned):
+            return EXIT_REPLAN, None
         return EXIT_RUNTIME, None
 
 

@@ -47,6 +47,7 @@ from .checkpoint import CheckpointError
 from .ft.checkpointer import CheckpointConfig, Checkpointer, plan_hash
 from .ft.coordination import LiveGroup
 from .ft.recovery import Formed, Heartbeat, Membership
+from .ft.replan import Measurement, RePlanPolicy, consider, load_replanned, store_replanned
 from .ft.coordination import Coordinator
 from .ft.elastic import describe_plan, load_stored_profile, replan
 from .ft.faults import FaultInjector
@@ -105,6 +106,8 @@ class PipelineConfig:
     """Refuse a plan whose profile hash differs from the model's structure."""
     backend: str | None = None
     """``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available."""
+    replan: RePlanPolicy | None = None
+    """Re-plan from the costs measured while training (see :mod:`pipedream_ft.ft.replan`); ``None``: never."""
     recovery_timeout_s: float = 120.0
     """In-place recovery: the longest the ranks wait for the group to form again before giving up (then the
     processes stop and torchrun restarts them all)."""
@@ -206,12 +209,19 @@ class PipelineTrainer:
             raise PlanError(f"the profile (hash {profile.structure_hash()[:12]}) is not the plan's model "
                             f"(hash {plan.profile_hash[:12]})")
         self.original_plan = plan
+        self.mode: Mode = make_mode(config.mode, config.flush_every)
         if plan.world_size != env.world_size and len(ml.names) == plan.num_layers:
             plan = self._replan(plan, checkpoint)
+        elif checkpoint is not None and checkpoint.url is not None:
+            replanned = load_replanned(Storage(checkpoint.url, checkpoint.storage_options), plan,
+                                       lambda p: plan_hash(p, self.mode))
+            if replanned is not plan and env.rank == 0:
+                print(f"pipedream-ft: the job re-planned {describe_plan(plan)} into {describe_plan(replanned)}; "
+                      "continuing on it", flush=True)
+            plan = replanned
         plan.check_fits(profile_hash=model_hash, num_layers=len(ml.names), world_size=env.world_size)
         self.plan = plan
         self.topo = topo = Topology.of(plan, env.rank)
-        self.mode: Mode = make_mode(config.mode, config.flush_every)
         self.mode.check(topo)
         module = build_stage(ml, plan, topo.stage).to(self.device)
         specs = find_tied(ml, executed_layers(ml, plan.layer_to_stage, plan.num_stages, plan.recompute))
@@ -267,6 +277,9 @@ class PipelineTrainer:
             if topo.is_first:
                 self.executor.decide = self.ckpt.decide
             self.executor.on_cut = self.ckpt.on_cut
+        self._replans = 0
+        if config.replan is not None:
+            self._start_replanning(config.replan)
         self.fingerprint = hashlib.sha256(json.dumps(
             [plan_hash(plan, self.mode), plan.profile_hash, checkpoint.url if checkpoint else None]).encode()).hexdigest()
         self.membership: Membership | None = None
@@ -329,6 +342,48 @@ class PipelineTrainer:
                                      timeout_s=self.config.recovery_timeout_s, on_join=lambda epoch: self.faults.at_join(self.env.restart_count + epoch))
         self._heartbeat = Heartbeat(live, self.env.rank, self.env.incarnation)
         return live
+
+    def _start_replanning(self, policy: RePlanPolicy) -> None:
+        """Measure this stage's costs (every rank) and decide re-plans (rank 0); see :mod:`pipedream_ft.ft.replan`."""
+        if self.ckpt is None or self.ckpt.storage is None:
+            raise PipelineSetupError("re-planning needs a durable checkpoint tier (CheckpointConfig(url=...)): the "
+                                     "new plan starts from a checkpoint resharded into it")
+        if self.profile is None:
+            self.profile = load_stored_profile(self.ckpt.storage)
+        key = plan_hash(self.plan, self.mode)
+        self.hooks.add(_Measure(policy, lambda: self.executor.stats, self.topo.stage,
+                                lambda value: self.coordinator.publish_measurement(key, value)))
+        if self.topo.rank == 0:
+            self.ckpt.replan_due = lambda cut: self._replan_due(cut, policy, key)
+
+    def _replan_due(self, cut: int, policy: RePlanPolicy, key: str) -> bool:
+        """Rank 0, at stage 0's possible cuts: stop here for a better plan?"""
+        if cut < policy.after + policy.every or cut % policy.every or self._replans >= policy.max_replans:
+            return False
+        per_stage: dict[int, list[float]] = {}
+        for text in self.coordinator.measurements(key).values():
+            m = Measurement.from_json(text)
+            per_stage.setdefault(m.stage, []).append(m.compute_s)
+        if len(per_stage) < self.plan.num_stages or self.profile is None:
+            return False
+        measured = {s: sum(v) / len(v) for s, v in per_stage.items()}
+        try:
+            found = consider(self.profile, self.plan, measured, self.env.world_size, policy.min_gain)
+        except PlanError as exc:  # measured costs that make no sense: keep the plan, keep training
+            log.warning("not re-planning: %s", exc)
+            return False
+        if found is None:
+            return False
+        new, gain = found
+        assert self.ckpt is not None and self.ckpt.storage is not None
+        store_replanned(self.ckpt.storage, self.plan, new, plan_hash(self.plan, self.mode))
+        self._replans += 1
+        msg = (f"re-planning at minibatch {cut}: measured stage times "
+               f"{', '.join(f'{measured[s] * 1000:.1f}' for s in sorted(measured))} ms per minibatch; "
+               f"{describe_plan(self.plan)} -> {describe_plan(new)}, predicted {gain:.0%} faster")
+        log.warning(msg)
+        print(f"pipedream-ft: {msg}", flush=True)
+        return True
 
     def _make_group(self, store: Any) -> CommGroup:
         """This epoch's process groups, in namespace ``store``."""
@@ -423,6 +478,11 @@ class PipelineTrainer:
                             seconds=record["restored"] - record["failed"])
         log.warning("rank %d: recovered in place in %.2fs: epoch %d, continuing from minibatch %d", self.env.rank,
                     record["restored"] - record["failed"], formed.epoch, formed.cut)
+        if self.env.rank == 0:
+            replaced = sorted(r for r, rec in formed.records.items() if rec["incarnation"] > 0)
+            print(f"pipedream-ft: recovered in place in {record['restored'] - record['failed']:.2f}s "
+                  f"(epoch {formed.epoch}; processes replaced so far: ranks {replaced}); continuing from "
+                  f"checkpoint {formed.cut}", flush=True)
 
     def _add_observers(self) -> None:
         config, env, topo = self.config, self.env, self.topo
@@ -431,7 +491,8 @@ class PipelineTrainer:
                                         topo.stage))
         if config.trace_dir:
             self.hooks.add(TimelineHook(TimelineRecorder(config.trace_dir, rank=env.rank, stage=topo.stage,
-                                                         replica=topo.replica, attempt=env.restart_count),
+                                                         replica=topo.replica, attempt=env.restart_count,
+                                                         process=env.incarnation),
                                         topo.replica))
         if config.metrics_dir:
             self.hooks.add(MetricsHook(MetricsWriter(config.metrics_dir, env.rank), rank=env.rank, stage=topo.stage,
@@ -449,7 +510,8 @@ class PipelineTrainer:
         return losses[-1][1] if self.topo.is_last and losses else None
 
     def _metrics_extra(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"restarts": self.env.restart_count, "redone": self.redone}
+        out: dict[str, Any] = {"restarts": self.env.restart_count, "redone": self.redone,
+                               "recoveries": self.membership.epoch if self.membership is not None else 0}
         if self.ckpt is not None:
             out.update(self.ckpt.metrics())
         return out
@@ -665,6 +727,35 @@ def release_all() -> None:
 
 
 atexit.register(release_all)
+
+
+class _Measure(Hooks):
+    """Publishes this stage's compute time per minibatch (forward + backward) every ``policy.every`` minibatches,
+    measured since the previous publication (the first after ``policy.after`` minibatches)."""
+
+    def __init__(self, policy: RePlanPolicy, stats: Callable[[], RankStats], stage: int,
+                 publish: Callable[[str], None]) -> None:
+        self.policy = policy
+        self.stats = stats
+        self.stage = stage
+        self.publish = publish
+        self._mark: tuple[float, int] | None = None
+
+    def on_update(self, round_: int, done: int, start: float, end: float) -> None:
+        s = self.stats()
+        compute = s.forward_s + s.backward_s
+        if done < self.policy.after:
+            return
+        if self._mark is None:
+            self._mark = (compute, s.minibatches)
+            return
+        seconds, count = compute - self._mark[0], s.minibatches - self._mark[1]
+        if count >= self.policy.every:
+            self._mark = (compute, s.minibatches)
+            try:
+                self.publish(Measurement(self.stage, seconds / count, count).to_json())
+            except Exception:  # measuring must not stop training
+                pass
 
 
 class _Milestones(Hooks):

@@ -532,9 +532,11 @@ class CheckpointWriter:
         return self.storage.size(part_data_path(meta.step, meta.name)) == meta.size
 
     def _poll_commits(self) -> None:
-        """One polling round over the pending steps, newest first; commit the first complete one."""
+        """One polling round over the pending steps, oldest first; commit the first complete one. Committing in
+        order keeps every checkpoint that became complete (a fallback if a newer one turns out damaged); a step
+        still incomplete when a newer one commits is given up."""
         storage = self.storage
-        for step in sorted(self._pending, reverse=True):
+        for step in sorted(self._pending):
             p = self._pending[step]
             missing: list[str] = []
             try:

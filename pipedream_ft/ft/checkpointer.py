@@ -48,7 +48,7 @@ from ..checkpoint.shm import MemoryTier
 from ..checkpoint.snapshot import immutable
 from ..checkpoint.tiers import TierWriter
 from ..errors import PipelineError
-from ..pipeline.executor import CUT, DURABLE, STOP
+from ..pipeline.executor import CUT, DURABLE, REPLAN, STOP
 from ..pipeline.group import CommGroup
 from ..pipeline.hooks import Hooks
 from ..pipeline.modes import Flush, Mode
@@ -57,6 +57,7 @@ from ..pipeline.topology import Topology
 from ..policies import CheckpointPolicy, EveryNSteps, PreemptionHandler
 from .coordination import Coordinator
 from .elastic import store_profile
+from .replan import RePlanned
 
 __all__ = ["CheckpointConfig", "Checkpointer", "Preempted", "plan_hash", "part_name"]
 
@@ -147,6 +148,8 @@ class Checkpointer:
         self.group: CommGroup | None = None
         self.before_save: Callable[[int], None] | None = None
         """Called with the cut before each save (fault injection uses it)."""
+        self.replan_due: Callable[[int], bool] | None = None
+        """Stage 0: whether to stop at this cut for a better plan (see :mod:`pipedream_ft.ft.replan`)."""
         plan = topo.plan
         self.part = part_name(topo.stage, topo.replica)
         parts = [part_name(s.index, i) for s in plan.stages for i in range(s.replicas)]
@@ -352,6 +355,10 @@ class Checkpointer:
                 self.config.policy.record_save(cut, now)
                 return CUT | STOP | durable
             raise Preempted("preempted: no emergency checkpoint fits in the grace period; stopping")
+        if self.writer is not None and self.replan_due is not None and self.replan_due(cut):
+            self.last_cut = cut
+            self.config.policy.record_save(cut, now)
+            return CUT | DURABLE | STOP | REPLAN
         flags = 0
         # busy: this rank's previous save is not durable yet (storage is not keeping up); a pending commit, which
         # waits for the other ranks' parts, does not count
@@ -430,7 +437,10 @@ class Checkpointer:
                 else self.config.grace_s
             for writer in (self.memory, self.writer):
                 if writer is not None:
-                    writer.flush(timeout=max(1.0, remaining - 1.0))
+                    writer.flush(timeout=max(1.0, remaining - 1.0) if flags & REPLAN == 0
+                                 else self.config.commit_timeout_s)
+            if flags & REPLAN:
+                raise RePlanned(f"re-planning: checkpoint {cut} saved; continuing on the new plan")
             raise Preempted(f"preempted: checkpoint {cut} saved; stopping (resume redoes no update)")
 
     def _collect_memory(self) -> None:

@@ -47,6 +47,7 @@ KEY_FINISHED = "finished/{position}"
 KEY_ROUND = "round/{rank}"
 KEY_JOB_ID = "id"
 KEY_MEMORY_DONE = "memory/{plan}/{rank}"
+KEY_MEASURE = "measure/{plan}/{rank}"
 KEY_AT = "at/{rank}"
 KEY_FAILURES = "failures"
 KEY_JOIN = "e{epoch}/join/{rank}"
@@ -124,6 +125,19 @@ class Coordinator:
         if not self.job.check(keys):
             return None
         return min(int(self.job.get(k)) for k in keys)
+
+    def publish_measurement(self, plan: str, value: str) -> None:
+        """This rank's latest measured costs under plan ``plan`` (see :mod:`pipedream_ft.ft.replan`)."""
+        self.job.set(KEY_MEASURE.format(plan=plan[:16], rank=self.env.rank), value)
+
+    def measurements(self, plan: str) -> dict[int, str]:
+        """Every rank's latest published measurement under plan ``plan``, by rank (ranks without one left out)."""
+        out = {}
+        for r in range(self.env.world_size):
+            key = KEY_MEASURE.format(plan=plan[:16], rank=r)
+            if self.job.check([key]):
+                out[r] = self.job.get(key).decode()
+        return out
 
     def live_group(self, round_id: str) -> LiveGroup:
         """The in-place recovery keys of the group started in ``round_id``; published for this rank's supervisor."""

@@ -11,8 +11,8 @@ process and restart them all, as without a supervisor.
 
 The training process dies with its supervisor (``PR_SET_PDEATHSIG``). Exit statuses of the training process:
 ``0`` done; ``2`` a set-up error, the same on every rank (not replaced); ``4`` the recovery failed (not
-replaced: the whole group restarts); anything else, or a signal, is replaced (at most ``max_replacements``
-times).
+replaced: the whole group restarts); ``5`` a re-planning cut (every rank's process starts afresh on the new
+plan); anything else, or a signal, is replaced (at most ``max_replacements`` times).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from types import FrameType
 from typing import Callable
 
 from ..env import DistEnv
-from ..errors import EXIT_RECOVERY_FAILED, EXIT_SETUP
+from ..errors import EXIT_RECOVERY_FAILED, EXIT_REPLAN, EXIT_SETUP
 from .coordination import LiveGroup, base_store
 
 __all__ = ["Supervisor"]
@@ -69,11 +69,17 @@ class Supervisor:
         previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             incarnation = 0
+            fresh = False
             while True:
-                pid = self._spawn(train, incarnation)
+                pid = self._spawn(train, incarnation, fresh)
+                fresh = False
                 code = self._watch(pid, incarnation)
                 if code == 0 or self.terminating is not None or code in (EXIT_SETUP, EXIT_RECOVERY_FAILED):
                     return code if code >= 0 else 128 - code
+                if code == EXIT_REPLAN:  # every rank stopped at a re-planning cut: start afresh on the new plan
+                    self._live = None
+                    fresh = True
+                    continue
                 live = self._live_group()
                 if live is None:
                     print(f"pipedream-ft: rank {self.env.rank}: the training process died ({_describe(code)}) before "
@@ -94,8 +100,10 @@ class Supervisor:
 
     # -- children -------------------------------------------------------------------------------------------
 
-    def _spawn(self, train: Callable[[], int], incarnation: int) -> int:
-        live = self._live_group() if incarnation else None
+    def _spawn(self, train: Callable[[], int], incarnation: int, fresh: bool = False) -> int:
+        """Fork the training process; a replacement (``incarnation > 0``) joins the running group unless
+        ``fresh`` (every rank starts again, as after a re-planning cut)."""
+        live = self._live_group() if incarnation and not fresh else None
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()

@@ -47,14 +47,18 @@ _LABEL_PT = 7.0
 
 @dataclass(frozen=True)
 class Restart:
-    """The start of an attempt that did not begin from scratch at attempt 0."""
+    """The start of an attempt that did not begin from scratch at attempt 0, or an in-place recovery (the
+    group formed again without restarting its processes: ``attempt`` is then the recovery's epoch)."""
 
     attempt: int
     resumed_from: int | None
     time_us: float
+    in_place: bool = False
 
     def label(self) -> str:
         origin = f"from checkpoint {self.resumed_from}" if self.resumed_from is not None else "from scratch"
+        if self.in_place:
+            return f"in-place recovery (epoch {self.attempt}, {origin})"
         return f"restart (attempt {self.attempt}, {origin})"
 
 
@@ -75,8 +79,9 @@ class TraceSummary:
         mb = sorted(self.minibatches)
         seen = f"{len(mb)} minibatches seen" + (f" ({mb[0]}-{mb[-1]})" if mb else "")
         if self.restarts:
-            rs = "; ".join(f"attempt {r.attempt} from " + (f"checkpoint {r.resumed_from}" if r.resumed_from is not None
-                                                           else "scratch") for r in self.restarts)
+            rs = "; ".join(("in place, epoch " if r.in_place else "attempt ") + f"{r.attempt} from "
+                           + (f"checkpoint {r.resumed_from}" if r.resumed_from is not None else "scratch")
+                           for r in self.restarts)
             restarts = f"{len(self.restarts)} restart{'s' if len(self.restarts) != 1 else ''} ({rs})"
         else:
             restarts = "0 restarts"
@@ -101,7 +106,15 @@ def _int(value: Any) -> int | None:
 
 def _restarts(events: list[dict[str, Any]]) -> list[Restart]:
     first: dict[int, tuple[float, int | None]] = {}
+    recovered: dict[int, tuple[float, int | None]] = {}
     for e in events:
+        if e.get("ph") == "i" and e.get("name") == "recovered":
+            args = e.get("args") or {}
+            epoch = _int(args.get("epoch")) or 0
+            ts = float(e["ts"])
+            if epoch not in recovered or ts < recovered[epoch][0]:
+                recovered[epoch] = (ts, _int(args.get("cut")))
+            continue
         if e.get("ph") != "i" or e.get("name") != "start":
             continue
         args = e.get("args") or {}
@@ -111,7 +124,9 @@ def _restarts(events: list[dict[str, Any]]) -> list[Restart]:
         ts = float(e["ts"])
         if attempt not in first or ts < first[attempt][0]:
             first[attempt] = (ts, _int(args.get("resumed_from")))
-    return [Restart(a, rf, ts) for a, (ts, rf) in sorted(first.items()) if a > 0 or rf is not None]
+    marks = [Restart(a, rf, ts) for a, (ts, rf) in sorted(first.items()) if a > 0 or rf is not None]
+    marks += [Restart(epoch, cut, ts, in_place=True) for epoch, (ts, cut) in sorted(recovered.items())]
+    return sorted(marks, key=lambda r: r.time_us)
 
 
 def _span(events: list[dict[str, Any]]) -> tuple[float, float]:

@@ -1,6 +1,7 @@
 """A timeline of what every rank did, in Chrome/Perfetto trace format.
 
-Each rank appends events to its own file, ``trace-attempt{A}-rank{R}.json``, as it goes (a JSON array whose
+Each rank appends events to its own file, ``trace-attempt{A}-rank{R}.json`` (``...-p{N}.json`` for the ``N``-th
+process that replaced the rank's in an in-place recovery), as it goes (a JSON array whose
 closing bracket may be missing: trace viewers accept that, and a rank killed mid-run leaves a readable file).
 :func:`merge_traces` joins the files of every rank and attempt into one trace.
 
@@ -38,8 +39,11 @@ class TimelineRecorder:
     """Appends this rank's events to its trace file; cheap enough to leave on."""
 
     def __init__(self, directory: str | os.PathLike[str], *, rank: int, stage: int, replica: int, attempt: int,
-                 flush_every_s: float = 0.5) -> None:
-        self.path = Path(directory) / f"trace-attempt{attempt}-rank{rank}.json"
+                 flush_every_s: float = 0.5, process: int = 0) -> None:
+        """``process``: the incarnation of the rank's process (in-place recovery replaces processes): a
+        replacement writes a file of its own, ``trace-attempt{A}-rank{R}-p{process}.json``."""
+        suffix = f"-p{process}" if process else ""
+        self.path = Path(directory) / f"trace-attempt{attempt}-rank{rank}{suffix}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank, self.stage, self.replica, self.attempt = rank, stage, replica, attempt
         self._buf: list[str] = []

@@ -295,11 +295,13 @@ class Messenger:
 
     def wait(self, work: Any, what: str) -> None:
         """Wait for ``work`` at most the timeout; raise :class:`PeerTimeoutError` naming ``what`` otherwise."""
+        t0 = time.monotonic()
         try:
             ok = work.wait(self.timeout)
         except Exception as exc:  # backends raise their own error types on timeout or a dead peer
-            raise PeerTimeoutError(
-                f"{what} failed or timed out after {self.timeout.total_seconds():.0f}s: {backend_reason(exc)}"
-            ) from None
+            waited = time.monotonic() - t0
+            limit = self.timeout.total_seconds()
+            how = f"timed out after {limit:.0f}s" if waited >= 0.99 * limit else f"failed after {waited:.2f}s"
+            raise PeerTimeoutError(f"{what} {how}: {backend_reason(exc)}") from None
         if ok is False:
             raise PeerTimeoutError(f"{what} timed out after {self.timeout.total_seconds():.0f}s")

@@ -41,7 +41,7 @@ from .state import StageState
 from .topology import Topology
 from .versions import Version
 
-__all__ = ["CUT", "DURABLE", "STOP", "DataFn", "Executor", "RankStats", "mix_seed"]
+__all__ = ["CUT", "DURABLE", "REPLAN", "STOP", "DataFn", "Executor", "RankStats", "mix_seed"]
 
 FAILED = 1
 """Header flag: the upstream stage failed its pre-flight check."""
@@ -51,6 +51,8 @@ STOP = 4
 """Header flag: and the job stops after it (a preemption)."""
 DURABLE = 8
 """Header flag: the cut's checkpoint goes to the durable tier too (not only the memory tier)."""
+REPLAN = 16
+"""Header flag: the job stops at the cut to continue on a better plan (with ``STOP`` and ``DURABLE``)."""
 
 DataFn = Callable[[int], tuple[Any, Any]]
 """``data(b) -> (inputs, targets)`` of minibatch ``b``; every rank must see the same stream."""
