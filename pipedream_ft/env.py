@@ -1,6 +1,7 @@
 """Everything the library reads from the environment, read in one place.
 
-torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` and, under its
+torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT`` and, under its
 elastic agent, ``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_USE_AGENT_STORE``.
 A supervisor (:func:`pipedream_ft.launch`) sets ``PIPEDREAM_FT_RECOVERY``, ``PIPEDREAM_FT_INCARNATION`` and
 ``PIPEDREAM_FT_ROUND`` for the process it starts.
@@ -26,6 +27,10 @@ class DistEnv:
     """Number of processes in the job."""
     local_rank: int = 0
     """Rank on this machine; picks the GPU under NCCL."""
+    local_world_size: int = 0
+    """Processes on this machine (0: unknown, then the whole world is taken as one machine)."""
+    node: int = 0
+    """Which machine of the job this is (torchrun's ``GROUP_RANK``)."""
     master_addr: str = "127.0.0.1"
     """Host of the rendezvous store."""
     master_port: int = 29500
@@ -51,16 +56,25 @@ class DistEnv:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
         if self.local_rank < 0:
             raise ValueError(f"local_rank must be >= 0, got {self.local_rank}")
+        if self.local_world_size < 0 or self.node < 0:
+            raise ValueError(f"local_world_size and node must be >= 0, got {self.local_world_size}, {self.node}")
         if self.recovery not in ("restart", "in-place"):
             raise ValueError(f"recovery must be 'restart' or 'in-place', got {self.recovery!r}")
         if self.incarnation < 0:
             raise ValueError(f"incarnation must be >= 0, got {self.incarnation}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks on one machine (the whole world when torchrun did not say)."""
+        return self.local_world_size or self.world_size
 
 
 _VARS = {
     "rank": ("RANK", int),
     "world_size": ("WORLD_SIZE", int),
     "local_rank": ("LOCAL_RANK", int),
+    "local_world_size": ("LOCAL_WORLD_SIZE", int),
+    "node": ("GROUP_RANK", int),
     "master_addr": ("MASTER_ADDR", str),
     "master_port": ("MASTER_PORT", int),
     "restart_count": ("TORCHELASTIC_RESTART_COUNT", int),

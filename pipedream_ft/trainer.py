@@ -271,7 +271,7 @@ class PipelineTrainer:
         if checkpoint is not None:
             self.ckpt = Checkpointer(checkpoint, topo=topo, mode=self.mode, state=self.state,
                                      coordinator=self.coordinator, hooks=self.hooks, flush_sends=self._flush_sends,
-                                     profile=profile, job=self.coordinator.job_id() if env.use_agent_store else None)
+                                     profile=profile, job=self.coordinator.job_id())
             if self.faults:
                 self.faults.instrument(self.ckpt)
             if topo.is_first:

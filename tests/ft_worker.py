@@ -61,6 +61,9 @@ def main() -> None:
                                     commit_timeout_s=60),
     )
     t_ready = time.time()
+    with open(args.out + ".ranks", "a") as f:  # which machine (torchrun node) each rank's process ran on
+        f.write(json.dumps({"rank": trainer.env.rank, "node": trainer.env.node, "pid": os.getpid(),
+                            "attempt": trainer.env.restart_count}) + "\n")
     if trainer.env.rank == 0:  # one line per attempt: where each one resumed from
         with open(args.out + ".attempts", "a") as f:
             f.write(json.dumps({"attempt": trainer.env.restart_count, "incarnation": trainer.env.incarnation,

@@ -40,9 +40,9 @@ def start_agent(port: int, tmp: Path, name: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def kill_tree(pid: int) -> None:
+def kill_tree(pid: int) -> list[int]:
     """SIGKILL an agent and everything under it (torchrun starts each worker in a session of its own, so the
-    agent's process group alone would leave the workers running)."""
+    agent's process group alone would leave the workers running); returns the pids killed."""
     pids, frontier = [pid], [pid]
     while frontier:
         out = subprocess.run(["pgrep", "-P", str(frontier.pop())], capture_output=True, text=True).stdout
@@ -54,6 +54,7 @@ def kill_tree(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    return pids
 
 
 def events(tmp: Path) -> list[dict]:

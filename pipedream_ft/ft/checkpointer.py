@@ -35,6 +35,7 @@ import hashlib
 import json
 import logging
 import re
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -44,10 +45,13 @@ from profiler.profile import Profile
 
 from ..checkpoint import (CheckpointError, CheckpointWriter, CorruptCheckpointError, Storage, list_committed,
                           load_part, read_commit)
+from ..checkpoint.peer import PeerServer, PeerTier
 from ..checkpoint.shm import MemoryTier
+from ..checkpoint.storage import Buffers
+from ..checkpoint.tiers import Tier
 from ..checkpoint.snapshot import immutable
 from ..checkpoint.tiers import TierWriter
-from ..errors import PipelineError
+from ..errors import PipelineError, PipelineSetupError
 from ..pipeline.executor import CUT, DURABLE, REPLAN, STOP
 from ..pipeline.group import CommGroup
 from ..pipeline.hooks import Hooks
@@ -83,6 +87,9 @@ class CheckpointConfig:
     """When to save to the memory tier (shared memory on each node; under torchrun only); ``None``: never."""
     memory_keep: int = 2
     """Cuts kept in the memory tier."""
+    peer_copy: bool | None = None
+    """Also copy each memory-tier part to a rank on another machine (its *buddy*), so that losing a whole machine
+    loses no memory-tier cut: ``None`` when the job spans several machines; ``True`` always; ``False`` never."""
     keep: int = 3
     """Committed checkpoints kept in the durable tier."""
     resume: bool = True
@@ -124,9 +131,42 @@ def part_name(stage: int, replica: int) -> str:
     return f"stage{stage}-replica{replica}"
 
 
-def _job_name(run_id: str, digest: str) -> str:
+def _job_name(run_id: str, digest: str, node: int) -> str:
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:80] or "job"
-    return f"{safe}-{digest[:12]}"
+    return f"{safe}-{digest[:12]}-n{node}"
+
+
+class _BuddyTier(Tier):
+    """The memory tier of this rank's buddy (a rank on another machine), reached through its peer server,
+    whose address is looked up in the job's store when needed (the buddy's process may have been replaced)."""
+
+    name = "peer"
+
+    def __init__(self, address: Callable[[], tuple[str, int] | None], *, token: str, timeout_s: float) -> None:
+        self._address = address
+        self._token = token
+        self._timeout_s = timeout_s
+        self._tier: PeerTier | None = None
+
+    def _peer(self) -> PeerTier:
+        address = self._address()
+        if address is None:
+            raise CheckpointError("the buddy rank's peer server has not started")
+        if self._tier is None or self._tier.client.address != address:
+            self._tier = PeerTier(address, timeout_s=self._timeout_s, token=self._token)
+        return self._tier
+
+    def put(self, step: int, part: str, data: Buffers | bytes, checksum: str) -> None:
+        self._peer().put(step, part, data, checksum)
+
+    def steps(self, parts: Any) -> list[int]:
+        return self._peer().steps(parts)
+
+    def get(self, step: int, part: str) -> dict[str, Any]:
+        return self._peer().get(step, part)
+
+    def keep_last(self, k: int, parts: Any = None) -> None:
+        self._peer().keep_last(k, parts)
 
 
 class Checkpointer:
@@ -169,10 +209,30 @@ class Checkpointer:
                                            commit_timeout_s=config.commit_timeout_s, metadata=self.metadata)
         self.memory_tier: MemoryTier | None = None
         self.memory: TierWriter | None = None
+        self.buddy: _BuddyTier | None = None
+        self.peer_server: PeerServer | None = None
+        if job is None and config.url is None:
+            raise PipelineSetupError("checkpointing without a url needs the memory tier, which needs a job id "
+                                     "that outlives an attempt (torchrun's agent store, or its --rdzv-id): give "
+                                     "CheckpointConfig a url")
+        if job is None and config.memory_policy is not None:
+            log.info("memory checkpoint tier off: it needs torchrun's agent store or its --rdzv-id")
         if job is not None and config.memory_policy is not None:
-            self.memory_tier = MemoryTier(_job_name(job, self.plan_hash))
+            env = coordinator.env
+            self.memory_tier = MemoryTier(_job_name(job, self.plan_hash, env.node))
+            tiers: list[Tier] = [self.memory_tier]
+            several_machines = env.ranks_per_node < env.world_size
+            if config.peer_copy or (config.peer_copy is None and several_machines):
+                local = env.master_addr in ("127.0.0.1", "localhost", "::1")
+                self.peer_server = PeerServer(self.memory_tier, host="127.0.0.1" if local else "0.0.0.0",
+                                              token=job, timeout_s=config.commit_timeout_s).start()
+                host = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
+                coordinator.publish_peer_server(host, self.peer_server.address[1])
+                buddy = (env.rank + (env.ranks_per_node if several_machines else 1)) % env.world_size
+                self.buddy = _BuddyTier(lambda: coordinator.peer_server(buddy), token=job, timeout_s=10.0)
+                tiers.append(self.buddy)
             # the writer keeps everything: :meth:`_collect_memory` deletes what every rank has a newer cut of
-            self.memory = TierWriter([self.memory_tier], self.part, keep=1 << 30)
+            self.memory = TierWriter(tiers, self.part, keep=1 << 30)
         self._memory_saves: list[Any] = []
         self._memory_published = -1
         self.window = mode.window(topo)
@@ -208,11 +268,12 @@ class Checkpointer:
     def restorable_cuts(self) -> list[int]:
         """The cuts at which this rank's part of this plan is in some tier (not yet verified)."""
         cuts: set[int] = set()
-        if self.memory_tier is not None:
-            try:
-                cuts.update(self.memory_tier.steps([self.part]))
-            except Exception as exc:  # an unreadable tier has nothing for us
-                log.warning("memory tier unreadable: %s", exc)
+        for tier in (self.memory_tier, self.buddy):
+            if tier is not None:
+                try:
+                    cuts.update(tier.steps([self.part]))
+                except Exception as exc:  # an unreadable tier, a dead buddy: nothing there for us
+                    log.warning("%s tier unreadable: %s", tier.name, exc)
         if self.storage is not None and self.config.resume:
             cuts.update(self._durable_cuts())
         return sorted(cuts)
@@ -232,11 +293,12 @@ class Checkpointer:
         """This rank's part at ``cut``, from the fastest tier that has it and verifies.
         Raises :class:`CorruptCheckpointError` if none does."""
         problems = []
-        if self.memory_tier is not None:
-            try:
-                return self.memory_tier.get(cut, self.part)
-            except CheckpointError as exc:
-                problems.append(f"memory tier: {exc}")
+        for tier in (self.memory_tier, self.buddy):
+            if tier is not None:
+                try:
+                    return tier.get(cut, self.part)
+                except CheckpointError as exc:
+                    problems.append(f"{tier.name} tier: {exc}")
         if self.storage is not None:
             try:
                 return load_part(self.storage, cut, self.part)
@@ -449,7 +511,7 @@ class Checkpointer:
         assert self.memory_tier is not None
         done = [s for s in self._memory_saves if s.done()]
         self._memory_saves = [s for s in self._memory_saves if not s.done()]
-        stored = [s.step for s in done if not s.errors]
+        stored = [s.step for s in done if "memory" not in s.errors and "*" not in s.errors]
         if stored and max(stored) > self._memory_published:
             self._memory_published = max(stored)
             self.coordinator.memory_done(self.plan_hash, self._memory_published)
@@ -460,6 +522,11 @@ class Checkpointer:
         keep = max(self.config.memory_keep, sum(1 for step in mine if step >= floor))
         if len(mine) > keep:
             self.memory_tier.keep_last(keep, [self.part])
+            if self.buddy is not None:
+                try:
+                    self.buddy.keep_last(keep, [self.part])
+                except CheckpointError:  # the buddy is gone: its copies went with it
+                    pass
 
     def _observe_costs(self) -> None:
         """Feed the durable policy the measured cost of the newest finished save."""
@@ -509,5 +576,7 @@ class Checkpointer:
         for writer in (self.memory, self.writer):
             if writer is not None:
                 writer.close(timeout=self.config.commit_timeout_s)
+        if self.peer_server is not None:
+            self.peer_server.close()
         if self.preemption is not None:
             self.preemption.uninstall()

@@ -48,6 +48,7 @@ KEY_ROUND = "round/{rank}"
 KEY_JOB_ID = "id"
 KEY_MEMORY_DONE = "memory/{plan}/{rank}"
 KEY_MEASURE = "measure/{plan}/{rank}"
+KEY_PEER = "peer/{rank}"
 KEY_AT = "at/{rank}"
 KEY_FAILURES = "failures"
 KEY_JOIN = "e{epoch}/join/{rank}"
@@ -109,10 +110,16 @@ class Coordinator:
         self.epoch = Epoch(round_id, dist.PrefixStore(f"pipedream_ft/{self.env.run_id}/{round_id}/", self.base))
         return self.epoch
 
-    def job_id(self) -> str:
-        """An id of this job, the same for every process of every attempt while the store lives (torchrun's run
-        id is ``"none"`` unless given): it scopes what the job keeps on its nodes (the memory tier)."""
-        return self.job.compare_set(KEY_JOB_ID, "", uuid.uuid4().hex[:16]).decode()
+    def job_id(self) -> str | None:
+        """An id of this job, the same for every process of every attempt: it scopes what the job keeps on its
+        nodes (the memory tier). Under torchrun's agent store, a random id kept in that store (it lives as long
+        as the job); otherwise torchrun's ``--rdzv-id`` if one was given (a later job with the same id and plan
+        finds what a crashed one left); otherwise ``None`` (no store outlives an attempt: no memory tier)."""
+        if self.env.use_agent_store:
+            return self.job.compare_set(KEY_JOB_ID, "", uuid.uuid4().hex[:16]).decode()
+        if self.env.run_id not in ("", "none"):
+            return "run-" + self.env.run_id
+        return None
 
     def memory_done(self, plan: str, cut: int) -> None:
         """This rank's memory-tier part of ``cut`` (of plan ``plan``) is stored: older cuts may go once every
@@ -125,6 +132,18 @@ class Coordinator:
         if not self.job.check(keys):
             return None
         return min(int(self.job.get(k)) for k in keys)
+
+    def publish_peer_server(self, host: str, port: int) -> None:
+        """Where this rank's process serves its node's memory tier to its peers (see :mod:`pipedream_ft.checkpoint.peer`)."""
+        self.job.set(KEY_PEER.format(rank=self.env.rank), f"{host}:{port}")
+
+    def peer_server(self, rank: int) -> tuple[str, int] | None:
+        """Where ``rank``'s process serves its node's memory tier, once it has said so."""
+        key = KEY_PEER.format(rank=rank)
+        if not self.job.check([key]):
+            return None
+        host, _, port = self.job.get(key).decode().rpartition(":")
+        return host, int(port)
 
     def publish_measurement(self, plan: str, value: str) -> None:
         """This rank's latest measured costs under plan ``plan`` (see :mod:`pipedream_ft.ft.replan`)."""
