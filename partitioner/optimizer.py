@@ -43,6 +43,7 @@ from profiler.profile import Profile
 
 from . import cost
 from .antichain import AntichainStates, linearize
+from .chain import plan_chain
 from .contract import contract, place_values
 from .machine import MachineProfile
 from .plan import Plan, PlanError, aligned_ranks
@@ -742,6 +743,10 @@ def partition(profile: Profile, workers: int | Sequence[int] | None,
         raise PlanError("a memory limit is supported for single-level machines only (one --workers)")
     con = contract(profile)
     search_profile = con.profile
+    if memory_bytes is None and machine is None:  # long chains: the scalable exact search
+        fast = plan_chain(profile, con, workers, bandwidth, straight)
+        if fast is not None:
+            return fast
     states = linearize(search_profile)
     total = int(np.prod(workers))
     settings = {"workers": list(workers), "bandwidth": list(bandwidth), "straight": bool(straight),
