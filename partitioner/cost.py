@@ -71,9 +71,11 @@ minibatch is that of its slowest stage.
 
       t >= Σ_s (C_s · φ + O) / K                      (every stage runs each minibatch once)
 
-  where ``φ`` is the fraction of compute that uses a core (1 for real layers, 0 for the benchmark's sleep
-  layers). :func:`contention_bound` gives it; the planner reports ``max(t_pipeline, bound)`` as the
-  prediction (it depends on the number of stages only, so it is applied to the program's optimum).
+  where ``φ`` is the fraction of compute that uses a core (``profile.meta["cpu_fraction"]``, default 1; 0
+  for the benchmark's sleep layers) and ``K`` the cores the machine's workers measurably got together
+  (``MachineProfile.effective_cores``). :func:`contention_bound` gives it; on a one-level machine the
+  planner reports ``max(t_pipeline, bound)`` as the prediction (the bound is applied to the program's
+  optimum, not searched: the plan minimises ``t_pipeline``).
 
 All functions accept numpy arrays and broadcast.
 """
@@ -208,9 +210,10 @@ def measured_data_parallel_time(compute_s: float, parameter_bytes: float, machin
     return float(t)
 
 
-def contention_bound(stage_compute_s: Sequence[float], overhead_s: float, cores: int | None, workers: int,
+def contention_bound(stage_compute_s: Sequence[float], overhead_s: float, cores: float | None, workers: int,
                      cpu_fraction: float = 1.0) -> float:
-    """``Σ_s (C_s · φ + O) / K`` when ``W > K`` workers share ``K`` cores, else 0."""
+    """``Σ_s (C_s · φ + O) / K`` when ``W > K`` workers share ``K`` cores, else 0 (``K`` may be a measured,
+    fractional number of cores)."""
     if cores is None or workers <= cores:
         return 0.0
     return float(sum(c * cpu_fraction + overhead_s for c in stage_compute_s)) / cores

@@ -12,6 +12,7 @@ JSON format (``"format": "pipedream-ft-machine"``, ``"version": 1``)::
       "overhead_s": 0.00061,                       # the runtime's fixed cost per minibatch per stage
       "stage_overhead_s": [0.0005, 0.0006, 0.0006, 0.0007],
       "cores": 2,                                  # CPU cores per machine (innermost level), or null
+      "cpu_parallelism": 1.4,                      # cores the workers really got together, or null
       "samples": {...},                            # the raw measurements (free form, for the record)
       "meta": {...}
     }
@@ -106,6 +107,9 @@ class MachineProfile:
     ``overhead_s``)."""
     cores: int | None = None
     """CPU cores per machine of the innermost level (None: unknown)."""
+    cpu_parallelism: float | None = None
+    """Cores the workers of one machine got together when all computed at once (measured: ``W · t_alone /
+    t_together``; below ``cores`` when others load the machine). None: use ``cores``."""
     samples: dict[str, Any] = field(default_factory=dict)
     """Raw measurements, free form."""
     meta: dict[str, Any] = field(default_factory=dict)
@@ -121,6 +125,9 @@ class MachineProfile:
         object.__setattr__(self, "overhead_s", _number(self.overhead_s, "overhead_s"))
         object.__setattr__(self, "stage_overhead_s",
                            tuple(_number(v, f"stage_overhead_s[{i}]") for i, v in enumerate(self.stage_overhead_s)))
+        if self.cpu_parallelism is not None:
+            object.__setattr__(self, "cpu_parallelism", _number(self.cpu_parallelism, "cpu_parallelism",
+                                                                positive=True))
         if self.cores is not None and (isinstance(self.cores, bool) or not isinstance(self.cores, int)
                                        or self.cores < 1):
             raise MachineError(f"machine profile: cores must be a whole number >= 1 or null, got {self.cores!r}")
@@ -139,10 +146,16 @@ class MachineProfile:
     def world_size(self) -> int:
         return math.prod(self.workers)
 
+    @property
+    def effective_cores(self) -> float | None:
+        """The cores the contention bound divides by: the measured parallelism, else ``cores``."""
+        return self.cpu_parallelism if self.cpu_parallelism is not None else self.cores
+
     def describe(self) -> str:
         """Lines stating the measured costs, for printing with a plan."""
         out = [f"machine: {' x '.join(map(str, self.workers))} workers"
                + (f", {self.cores} cores per machine" if self.cores else "")
+               + (f" ({self.cpu_parallelism:.2f} effective)" if self.cpu_parallelism else "")
                + f"; fixed cost per minibatch per stage {self.overhead_s * 1e3:.3f} ms"]
         for i, lv in enumerate(self.levels):
             out.append(f"  level {i}: transfer {lv.latency_s * 1e6:.1f} us + bytes / {lv.bandwidth:.4g} B/s; "
@@ -156,6 +169,7 @@ class MachineProfile:
         return {"format": MACHINE_FORMAT, "version": MACHINE_VERSION,
                 "levels": [lv.to_json() for lv in self.levels], "overhead_s": self.overhead_s,
                 "stage_overhead_s": list(self.stage_overhead_s), "cores": self.cores,
+                "cpu_parallelism": self.cpu_parallelism,
                 "samples": self.samples, "meta": self.meta}
 
     def dumps(self) -> str:
@@ -194,7 +208,8 @@ class MachineProfile:
             if not isinstance(stage, list):
                 raise MachineError(f"stage_overhead_s must be a list, got {stage!r}")
             return MachineProfile(tuple(levels), doc.get("overhead_s", 0.0), tuple(stage), doc.get("cores"),
-                                  dict(doc.get("samples") or {}), dict(doc.get("meta") or {}))
+                                  doc.get("cpu_parallelism"), dict(doc.get("samples") or {}),
+                                  dict(doc.get("meta") or {}))
         except MachineError as exc:
             msg = str(exc).removeprefix("machine profile: ")
             raise MachineError(f"{source}: {msg}") from None

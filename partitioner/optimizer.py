@@ -704,6 +704,25 @@ def _levels(values: int | float | Sequence[int | float], what: str) -> list:
     return out
 
 
+def _contended(profile: Profile, machine: MachineProfile, workers: list[int], pipeline_s: float,
+               stage_layers: list[list[int]], settings: dict) -> float:
+    """``max(t_pipeline, Σ_s (C_s φ + O) / K)`` on a one-level machine (see :mod:`partitioner.cost`); ``φ`` is
+    ``profile.meta["cpu_fraction"]`` (default 1). Records both terms in ``settings``."""
+    phi = profile.meta.get("cpu_fraction", 1.0)
+    if isinstance(phi, bool) or not isinstance(phi, (int, float)) or not 0 <= phi <= 1:
+        raise PlanError(f"profile meta cpu_fraction must be a number in [0, 1], got {phi!r}")
+    bound = 0.0
+    if len(workers) == 1:
+        compute = [sum(profile.layers[i].forward_ms + profile.layers[i].backward_ms for i in layers) / 1e3
+                   for layers in stage_layers]
+        cores = machine.effective_cores
+        bound = cost.contention_bound(compute, machine.overhead_s, None if cores is None else cores, workers[0],
+                                      float(phi))
+    settings["pipeline_time_s"] = pipeline_s
+    settings["contention_bound_s"] = bound
+    return max(pipeline_s, bound)
+
+
 def partition(profile: Profile, workers: int | Sequence[int] | None,
               bandwidth: float | Sequence[float] | None = None, *, straight: bool = False,
               memory_bytes: float | None = None, machine: MachineProfile | None = None) -> Plan:
@@ -841,6 +860,9 @@ def partition(profile: Profile, workers: int | Sequence[int] | None,
     for i, s in enumerate(stage_of_all):
         stage_layers[s].append(i)
     settings["stages_per_level"] = per_level[::-1]
+    predicted = sol.time_s
+    if machine is not None:
+        predicted = _contended(profile, machine, workers, sol.time_s, stage_layers, settings)
     return Plan.from_stages(
         stage_layers,
         [m for _, _, m, _, _ in ranges],
@@ -848,7 +870,7 @@ def partition(profile: Profile, workers: int | Sequence[int] | None,
         layer_names=names,
         stage_times_s=[t for _, _, _, t, _ in ranges],
         ranks=aligned_ranks(workers, tree),
-        time_per_minibatch_s=sol.time_s,
+        time_per_minibatch_s=predicted,
         data_parallel_time_s=dp_time,
         settings=settings,
         recompute=con.value_layers,

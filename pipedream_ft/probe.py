@@ -19,6 +19,9 @@ What it measures (medians of repeated runs, everything in the same run):
 * **all-reduce**, per level and replica-group size ``r = 2 .. n_l`` (ranks ``0, s, 2s, ...`` with ``s`` the
   level's stride): a small and a large all-reduce, fitted to ``4 (r-1)/r · (λ + bytes / B_ar)``
   (:func:`partitioner.machine.fit_allreduce`);
+* **CPU parallelism** (CPU backends): rank 0 runs a fixed CPU-bound work alone, then every rank runs it at
+  once; ``W · t_alone / t_together`` is how many cores the machine's workers really get together (fewer
+  than it has when others load it), for the cost model's contention bound;
 * **the runtime's fixed cost per minibatch per stage**: a ``WORLD_SIZE``-stage pipeline of layers that
   compute nothing (``x · w`` on ``(8, 64)`` tensors) trains through :class:`~pipedream_ft.PipelineTrainer`;
   each stage's CPU seconds per minibatch are its fixed cost (``stage_overhead_s``), the median is
@@ -229,6 +232,55 @@ def _measure_links(env: Any, levels: list[int], settings: ProbeSettings, device:
     return out
 
 
+def _spin(seconds_hint: float = 0.15) -> Callable[[], None]:
+    """A fixed amount of CPU work (small matrix products, one thread) taking about ``seconds_hint`` alone."""
+    import torch
+
+    a = torch.randn(96, 96)
+    t0 = time.perf_counter()
+    n = 0
+    while time.perf_counter() - t0 < 0.02:
+        a = torch.tanh(a @ a)
+        n += 1
+    reps = max(1, int(n * seconds_hint / 0.02))
+
+    def work() -> None:
+        b = a
+        for _ in range(reps):
+            b = torch.tanh(b @ b)
+
+    return work
+
+
+def _measure_parallelism(env: Any, levels: list[int], settings: ProbeSettings) -> dict[str, Any]:
+    """Cores the workers of one machine get together: ``W · t_alone / t_together`` (medians of 3), where
+    rank 0 runs a fixed CPU-bound work alone, then every rank runs it at once."""
+    import torch
+    import torch.distributed as dist
+
+    work = _spin()
+    sizes = torch.zeros(1, dtype=torch.int64)
+    alone, together = [], []
+    for _ in range(3):
+        _guard(f"rank {env.rank}: barrier", lambda: dist.barrier())
+        if env.rank == 0:
+            t0 = time.perf_counter()
+            work()
+            alone.append(time.perf_counter() - t0)
+        _guard(f"rank {env.rank}: barrier", lambda: dist.barrier())
+        t0 = time.perf_counter()
+        work()
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        _guard(f"rank {env.rank}: sharing CPU times", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX))
+        together.append(float(t[0]))
+    del sizes
+    t_alone = torch.tensor([statistics.median(alone) if alone else 0.0], dtype=torch.float64)
+    _guard(f"rank {env.rank}: sharing CPU times", lambda: dist.broadcast(t_alone, 0))
+    w = levels[0]
+    par = min(float(w), w * float(t_alone[0]) / statistics.median(together))
+    return {"alone_s": float(t_alone[0]), "together_s": together, "parallelism": par}
+
+
 def _measure_runtime(env: Any, settings: ProbeSettings) -> dict[str, Any]:
     """Train a ``WORLD_SIZE``-stage pipeline of layers that compute nothing; per-stage CPU and wall figures."""
     import torch
@@ -300,6 +352,7 @@ def probe(levels: Sequence[int] | None = None, settings: ProbeSettings | None = 
     device = torch.device("cuda", env.local_rank) if torch.distributed.get_backend() == "nccl" \
         else torch.device("cpu")
     links = _measure_links(env, lv, settings, device)
+    par = _measure_parallelism(env, lv, settings) if device.type == "cpu" else None
     runtime = _measure_runtime(env, settings) if settings.runtime and env.world_size >= 2 else None
     stage_cpu = tuple(r["cpu_s"] for r in runtime["stages"]) if runtime else ()
     overhead = statistics.median(stage_cpu) if stage_cpu else 0.0
@@ -310,12 +363,13 @@ def probe(levels: Sequence[int] | None = None, settings: ProbeSettings | None = 
     cores = os.cpu_count()
     if hasattr(os, "sched_getaffinity"):
         cores = len(os.sched_getaffinity(0))
-    samples = {"p2p": links["p2p"], "allreduce": links["allreduce"], "runtime": runtime}
+    samples = {"p2p": links["p2p"], "allreduce": links["allreduce"], "runtime": runtime, "cpu": par}
     meta = {"backend": torch.distributed.get_backend(), "world_size": env.world_size, "torch": torch.__version__,
             "host": os.uname().nodename, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "settings": {"small_bytes": settings.small_bytes, "large_bytes": settings.large_bytes,
                          "repeats": settings.repeats, "minibatches": settings.minibatches}}
-    return MachineProfile(tuple(mlevels), overhead, stage_cpu, cores, samples, meta)
+    return MachineProfile(tuple(mlevels), overhead, stage_cpu, cores, par["parallelism"] if par else None,
+                          samples, meta)
 
 
 # -- command line ---------------------------------------------------------------------------------------------
