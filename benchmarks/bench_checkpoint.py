@@ -26,6 +26,14 @@ loss function is wrapped), between minibatch ``every/2`` and ``N - every/2``, so
 ``none`` run (the configurations run one after the other in each round, in rotated order, so a change in machine
 load hits them alike), and the median over rounds is reported.
 
+Because other work on a shared machine shifts the time per minibatch between runs by more than the effect
+measured, an *in-run* estimate is printed too: per checkpoint interval, the minibatches from the cut to half an
+interval later against the median of the same interval's second half (:func:`in_run_overheads`); on the
+``none`` run the same computation gives the noise floor. ``--profile`` prints the mean excess time of each
+minibatch around a cut (where the cost lands); ``cut-only`` runs the cuts with a writer that does nothing (the
+runtime's own share); ``local-nice19`` runs the persist thread at nice 19; ``--s3-nice 19`` runs the SeaweedFS
+server at nice 19 (its CPU then stands aside, as a remote server's would).
+
 The second table gives, per configuration and stage, the blocking time of each save (the call), the background
 persist time (wall, and CPU of the persist thread for pipedream-ft), the part's size and the commit latency.
 Then the disk's and the S3 server's write bandwidth, measured in the same run (a 256 MB file written and fsynced;
@@ -88,6 +96,8 @@ class RunResult:
     """Checkpoints deferred by stage 0 because the previous one was not finished."""
     in_run: list[float] = field(default_factory=list)
     """Per checkpoint interval: the in-run overhead estimate (see :func:`in_run_overheads`)."""
+    profile: list[float] = field(default_factory=list)
+    """Mean excess time (s) of the minibatches at offsets -2 .. +12 from each cut, over the quiet median."""
     commits: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Per committed step still kept: each part's bytes, commit latency."""
     params: int = 0
@@ -231,8 +241,18 @@ def _rank_main(cfg: RunConfig) -> dict[str, Any]:
         handles.append((begun, handle))
         return handle
 
+    def cut_only(step: int, state: Any, metadata: Any = None) -> Any:
+        # the runtime's side of a cut (capturing the state) without any writer: what a cut costs by itself
+        handle = SaveHandle(step, 0.0)
+        handle.persist_s, handle.finished_at = 0.0, time.time()
+        handle._event.set()
+        handles.append((time.time(), handle))
+        return handle
+
     if cfg.storage == "dcp":
         writer.save = dcp_save  # type: ignore[method-assign]
+    elif cfg.storage == "cut-only":
+        writer.save = cut_only  # type: ignore[method-assign]
     else:
         writer.save = pdft_save  # type: ignore[method-assign]
     trainer.fit(make_data(cfg.batch, cfg.width), cfg.minibatches)
@@ -283,6 +303,20 @@ def in_run_overheads(stamps: list[float], every: int) -> list[float]:
     return out
 
 
+def cut_profile(stamps: list[float], every: int, before: int = 2, after: int = 12) -> list[float]:
+    """Mean excess duration of the minibatches around each cut (offsets ``-before .. after``) over the quiet
+    median of the same interval: where in time a checkpoint costs."""
+    d = [b - a for a, b in zip(stamps, stamps[1:])]
+    rows = []
+    for c in range(every, len(d) - every + 1, every):
+        quiet = d[c - 1 + every // 2: c - 2 + every]
+        if len(quiet) < 3 or c - 1 - before < 0:
+            continue
+        base = statistics.median(quiet)
+        rows.append([d[c - 1 + k] - base for k in range(-before, after + 1)])
+    return [statistics.mean(col) for col in zip(*rows)] if rows else []
+
+
 def run_once(cfg: RunConfig, timeout_s: float = 300.0) -> RunResult:
     """Train once on ``cfg.stages`` spawned processes and measure (see the module docstring)."""
     from dist_helpers import run_world
@@ -312,7 +346,7 @@ def run_once(cfg: RunConfig, timeout_s: float = 300.0) -> RunResult:
     deferred = sum(p.get("deferred", 0) for p in parts)
     return RunResult(config=cfg, s_per_minibatch=per, saves_in_window=saves_in_window, load_before=load,
                      saves=saves, deferred=deferred, commits=commits, params=last["params"],
-                     in_run=in_run_overheads(stamps, cfg.every))
+                     in_run=in_run_overheads(stamps, cfg.every), profile=cut_profile(stamps, cfg.every))
 
 
 # -- bandwidth ------------------------------------------------------------------------------------------------
@@ -376,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
     ap.add_argument("--s3-nice", type=int, default=0,
                     help="nice value of the SeaweedFS server (19: its CPU stands aside, as a remote server's would)")
+    ap.add_argument("--profile", action="store_true", help="print where around a cut the time goes")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds = 1
@@ -385,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--minibatches must be a multiple of --every and at least 3 times it")
     storages = [s.strip() for s in args.storages.split(",") if s.strip()]
     for s in storages:
-        if s not in ("local", "local-nice19", "dcp", "s3"):
+        if s not in ("local", "local-nice19", "dcp", "s3", "cut-only"):
             ap.error(f"unknown storage {s!r}")
 
     base = Path(tempfile.mkdtemp(prefix="pdft-bench-ckpt-"))
@@ -438,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(head))
     none_t = [x.s_per_minibatch for x in results["none"]]
     writer_names = {"none": "Never()", "local": "pdft, local disk", "local-nice19": "pdft nice 19, local",
-                    "dcp": "DCP async_save, local",
+                    "dcp": "DCP async_save, local", "cut-only": "cuts, no writer",
                     "s3": "pdft, SeaweedFS S3"}
     overheads: dict[str, float] = {}
     for kind in order:
@@ -464,6 +499,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {kind:12s} median {100 * in_run[kind]:+6.2f}%  (quartiles {100 * q[0]:+.2f}% / "
                   f"{100 * q[2]:+.2f}%, {len(xs)} intervals)")
 
+    if args.profile:
+        print("\nexcess ms per minibatch around a cut (offset 0: the first minibatch after the save), mean over cuts:")
+        print(f"  {'':12s} " + " ".join(f"{k:>5d}" for k in range(-2, 13)))
+        for kind in order:
+            rows = [r.profile for r in results[kind] if r.profile]
+            if rows:
+                mean = [statistics.mean(col) for col in zip(*rows)]
+                print(f"  {kind:12s} " + " ".join(f"{1000 * x:5.1f}" for x in mean))
     print(f"\n{'storage':12s} {'stage':>5s} {'saves':>5s} {'part MB':>8s} {'blocking ms':>16s} "
           f"{'persist ms':>18s} {'persist CPU ms':>15s} {'commit latency ms':>18s} {'failed':>6s}")
     print(f"{'':12s} {'':5s} {'':5s} {'':8s} {'median / max':>16s} {'median / max':>18s} {'median':>15s} "

@@ -13,7 +13,11 @@ Writers compared (each ``--saves`` times, in rotated order, to a fresh directory
 - ``pdft-copy``: ``CheckpointWriter.save(step, state)`` with every tensor copied (nothing marked immutable);
 - ``pdft``: ``CheckpointWriter.save`` as the runtime should call it: the weight versions marked
   ``immutable(...)``, and the model's parameters given as the newest version's tensors (equal right after an
-  update, and immutable), so only the optimizer state and buffers are copied.
+  update, and immutable), so only the optimizer state and buffers are copied;
+- ``pdft-proc``: the alternative design, persisting in a separate process at nice 19: the state is copied into
+  shared-memory tensors (the other process cannot see the trainer's private memory, so immutable tensors are
+  copied too), and a persistent child process encodes, checksums and writes them the same way (O_DIRECT).
+  Its background CPU is the child's (``/proc/<pid>/stat``).
 
 Figures per writer (medians over saves): *blocking* = time ``save`` / ``async_save`` took (training waits);
 *total* = from the call to the data being durable; *background CPU* = CPU time of the whole process between
@@ -127,14 +131,69 @@ def _str_keys(x: Any) -> Any:
     return x
 
 
+_children: list[int] = []
+
+
+def _child_cpu() -> float:
+    """CPU seconds of the persist child processes so far."""
+    total = 0.0
+    for pid in _children:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def measure(save: Callable[[int], Callable[[], None]], step: int) -> tuple[float, float, float]:
     """``save(step)`` returns a ``wait`` callable; returns (blocking_s, total_s, background_cpu_s)."""
-    c0, tc0, t0 = _cpu(), time.thread_time(), time.perf_counter()
+    c0, tc0, k0, t0 = _cpu(), time.thread_time(), _child_cpu(), time.perf_counter()
     wait = save(step)
     t1 = time.perf_counter()
     wait()
-    t2, c1, tc1 = time.perf_counter(), _cpu(), time.thread_time()
-    return t1 - t0, t2 - t0, (c1 - c0) - (tc1 - tc0)
+    t2, c1, tc1, k1 = time.perf_counter(), _cpu(), time.thread_time(), _child_cpu()
+    return t1 - t0, t2 - t0, (c1 - c0) - (tc1 - tc0) + (k1 - k0)
+
+
+def _persist_child(conn: Any, directory: str, nice: int) -> None:
+    """The separate-process persister: receives the shared tensors once, then writes them on each step sent."""
+    os.nice(nice)
+    torch.set_num_threads(1)
+    from pipedream_ft.checkpoint import Buffers, Storage
+    from pipedream_ft.checkpoint.checksum import checksum
+    from pipedream_ft.checkpoint.tensorfile import encode_part
+
+    st = Storage(directory)
+    tree = conn.recv()
+    while True:
+        step = conn.recv()
+        if step is None:
+            return
+        data = Buffers(encode_part(tree).chunks())
+        digest = checksum(data)
+        st.write_bytes(f"step-{step:010d}/part-stage0.pt", data)
+        st.delete(f"step-{step - 2:010d}", recursive=True)
+        conn.send(digest)
+
+
+def _shared_like(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return torch.empty_like(x.detach(), memory_format=torch.contiguous_format).share_memory_()
+    if isinstance(x, dict):
+        return {k: _shared_like(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_shared_like(v) for v in x)
+    return x
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    if isinstance(src, torch.Tensor):
+        dst.copy_(src.detach())
+    elif isinstance(src, dict):
+        for k in src:
+            _copy_into(dst[k], src[k])
+    elif isinstance(src, (list, tuple)):
+        for a, b in zip(dst, src):
+            _copy_into(a, b)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,8 +245,32 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(old, ignore_errors=True)  # keep 2, like the writers
         return wait
 
+    import torch.multiprocessing as tmp
+
+    ctx = tmp.get_context("spawn")
+    parent_conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_persist_child, args=(child_conn, str(base / "proc"), 19), daemon=True)
+    child.start()
+    _children.append(child.pid)
+
+    def flat_state() -> dict[str, Any]:
+        st = stage.state(False)
+        return {"model": st["model"], "optimizer": st["optimizer"]["state"],
+                "versions": {str(i): v for i, v in enumerate(st["versions"].values())}}
+
+    shared = _shared_like(flat_state())
+    parent_conn.send(shared)
+
+    def proc(step: int) -> Callable[[], None]:
+        _copy_into(shared, flat_state())  # blocking: every tensor into shared memory
+        parent_conn.send(step)
+
+        def wait() -> None:
+            parent_conn.recv()
+        return wait
+
     kinds: dict[str, Callable[[int], Callable[[], None]]] = {
-        "dcp": peer, "pdft-copy": pdft("pdft-copy", False), "pdft": pdft("pdft", True)}
+        "dcp": peer, "pdft-copy": pdft("pdft-copy", False), "pdft": pdft("pdft", True), "pdft-proc": proc}
     results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in kinds}
     order = list(kinds)
     print(f"checkpoint write: state {1000 * gb:.1f} MB (model + SGD momentum + {args.versions} version(s)), "
@@ -204,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for w in writers.values():
             w.close(10)
+        parent_conn.send(None)
+        child.join(10)
         shutil.rmtree(base, ignore_errors=True)
 
     med = {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in results.items()}

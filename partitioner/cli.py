@@ -4,9 +4,12 @@ Usage::
 
     pipedream-partition PROFILE --workers N [--workers N ...] --bandwidth B [--bandwidth B ...]
                         [--straight] [--memory BYTES] -o plan.json
+    pipedream-partition PROFILE --machine probe.json [--workers N ...] [--straight] [--memory BYTES] -o plan.json
 
 Repeated ``--workers``/``--bandwidth`` give the levels of the machine innermost first (like PipeDream's
-``-n``/``-b``). Errors print one line ``pipedream-partition: error: ...`` and exit with status 2; the output
+``-n``/``-b``). ``--machine`` plans under the costs ``pipedream-probe`` measured (its levels give the
+bandwidths and, unless ``--workers`` is given, the workers); the measured costs and the formulas are printed
+with the plan, and the plan records them. Errors print one line ``pipedream-partition: error: ...`` and exit with status 2; the output
 file is then left untouched.
 """
 
@@ -20,9 +23,15 @@ from profiler.cliutil import CliError, OneLineParser, number, run_cli, write_ato
 from profiler.profile import ProfileError, load_profile
 
 from .optimizer import partition
+from .machine import load_machine
 from .plan import Plan, PlanError
 
-__all__ = ["main", "format_plan", "layer_ranges"]
+__all__ = ["main", "format_plan", "layer_ranges", "FORMULAS"]
+
+FORMULAS = ("cost model: stage = max((C + O + AR(r, P)) / r, 2 (L + o_in / B) / r, 2 (L + o_out / B) / r); "
+            "first stage = (C + O + AR / w) / r;\n"
+            "  AR(r, P) = 4 (r-1)/r * (lambda + P / B_ar); C compute, P parameter bytes, o bytes crossing a cut, "
+            "r replicas, O fixed cost per stage")
 
 PROG = "pipedream-partition"
 
@@ -35,10 +44,11 @@ _MEMORY = number("memory", low=0, unit=" of bytes")
 def _parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog=PROG, description="Split a profiled model into PipeDream pipeline stages.")
     ap.add_argument("profile", help="profile: pipedream-ft JSON or PipeDream graph.txt")
-    ap.add_argument("--workers", "-n", action="append", type=_WORKERS, required=True,
+    ap.add_argument("--workers", "-n", action="append", type=_WORKERS,
                     help="workers at one level (repeat for levels, innermost first)")
-    ap.add_argument("--bandwidth", "-b", action="append", type=_BANDWIDTH, required=True,
+    ap.add_argument("--bandwidth", "-b", action="append", type=_BANDWIDTH,
                     help="bandwidth of one level in bytes/s, e.g. 1e9 (repeat like --workers)")
+    ap.add_argument("--machine", metavar="PROBE_JSON", help="machine profile written by pipedream-probe")
     ap.add_argument("--straight", action="store_true", help="no replication: one worker per stage")
     ap.add_argument("--memory", type=_MEMORY, default=None, help="memory per worker in bytes")
     ap.add_argument("-o", "--output", required=True, help="where to write the plan JSON")
@@ -78,16 +88,29 @@ def format_plan(plan: Plan) -> str:
 
 def _run(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
-    if len(args.workers) != len(args.bandwidth):
-        raise CliError(f"{len(args.workers)} --workers levels but {len(args.bandwidth)} --bandwidth levels; "
-                       "give one bandwidth per level")
+    machine = None
+    if args.machine is not None:
+        if args.bandwidth:
+            raise CliError("--bandwidth and --machine exclude each other: the machine profile gives the bandwidths")
+    else:
+        if not args.workers or not args.bandwidth:
+            raise CliError("the following arguments are required: --workers and --bandwidth (or --machine)")
+        if len(args.workers) != len(args.bandwidth):
+            raise CliError(f"{len(args.workers)} --workers levels but {len(args.bandwidth)} --bandwidth levels; "
+                           "give one bandwidth per level")
     out = Path(args.output)
     try:
+        if args.machine is not None:
+            machine = load_machine(args.machine)
         profile = load_profile(args.profile)
-        plan = partition(profile, args.workers, args.bandwidth, straight=args.straight, memory_bytes=args.memory)
+        plan = partition(profile, args.workers, None if machine else args.bandwidth, straight=args.straight,
+                         memory_bytes=args.memory, machine=machine)
     except (ProfileError, PlanError) as exc:
         raise CliError(str(exc)) from None
     write_atomic(out, plan.dumps())
+    if machine is not None:
+        print(machine.describe())
+        print(FORMULAS)
     print(format_plan(plan))
     print(f"plan written to {out}")
     return 0

@@ -34,7 +34,7 @@ PipeDream's own profiles the optimum is the same).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -43,8 +43,10 @@ from profiler.profile import Profile
 
 from . import cost
 from .antichain import AntichainStates, linearize
+from .chain import plan_chain
 from .contract import contract, place_values
-from .plan import Plan, PlanError
+from .machine import MachineProfile
+from .plan import Plan, PlanError, aligned_ranks
 
 __all__ = ["partition", "LevelProblem", "LevelSolution", "flat_problem", "solve_level", "exhaustive_level", "stage_times"]
 
@@ -637,14 +639,30 @@ def _with_tied(states: AntichainStates, bandwidth: float, CM: np.ndarray, PMx: n
     return (CM + terms[0] if sync else CM), PMx + terms[1]
 
 
+def _folded(fold: cost.Fold | None, CM: np.ndarray, PMx: np.ndarray, with_compute: bool = True
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """``CM + O`` (finite ranges, if ``with_compute``) and ``P + λ B_ar`` (ranges holding parameters) of a
+    :class:`~partitioner.cost.Fold`; unchanged without one."""
+    if fold is None:
+        return CM, PMx
+    if with_compute and fold.compute_offset:
+        CM = np.where(np.isfinite(CM), CM + fold.compute_offset, CM)
+    if fold.params_offset:
+        PMx = np.where(PMx > 0, PMx + fold.params_offset, PMx)
+    return CM, PMx
+
+
 def flat_problem(states: AntichainStates, workers: int, bandwidth: float, straight: bool,
-                  memory_bytes: float | None) -> LevelProblem:
-    """The single-level problem of ``states`` for ``workers`` workers at ``bandwidth`` bytes/s."""
-    CM, PMx = _with_tied(states, bandwidth, *_ranges(states))
+                  memory_bytes: float | None, fold: cost.Fold | None = None) -> LevelProblem:
+    """The single-level problem of ``states`` for ``workers`` workers at ``bandwidth`` bytes/s (or, with a
+    :class:`~partitioner.cost.Fold` of measured costs, at ``fold.bandwidth`` with folded bytes and times)."""
+    CM, PMx = _with_tied(states, bandwidth if fold is None else fold.bandwidth, *_ranges(states))
     A = states.activation_bytes
     prec = states.precedes
-    prob = LevelProblem(CM[0].copy(), PMx[0].copy(), CM[1:], PMx[1:], states.output_bytes, workers, bandwidth, 1,
-                        straight)
+    CMt, PMt = _folded(fold, CM, PMx)
+    out = states.output_bytes if fold is None else fold.out_bytes(states.output_bytes)
+    prob = LevelProblem(CMt[0].copy(), PMt[0].copy(), CMt[1:], PMt[1:], out, workers,
+                        bandwidth if fold is None else fold.bandwidth, 1, straight)
     if memory_bytes is not None:
         prob.first_memory = PMx[0] + A
         prob.pair_memory = np.where(prec, PMx[1:] + (A[None, :] - A[:, None]), 0.0)
@@ -686,8 +704,28 @@ def _levels(values: int | float | Sequence[int | float], what: str) -> list:
     return out
 
 
-def partition(profile: Profile, workers: int | Sequence[int], bandwidth: float | Sequence[float], *,
-              straight: bool = False, memory_bytes: float | None = None) -> Plan:
+def _contended(profile: Profile, machine: MachineProfile, workers: list[int], pipeline_s: float,
+               stage_layers: list[list[int]], settings: dict) -> float:
+    """``max(t_pipeline, Σ_s (C_s φ + O) / K)`` on a one-level machine (see :mod:`partitioner.cost`); ``φ`` is
+    ``profile.meta["cpu_fraction"]`` (default 1). Records both terms in ``settings``."""
+    phi = profile.meta.get("cpu_fraction", 1.0)
+    if isinstance(phi, bool) or not isinstance(phi, (int, float)) or not 0 <= phi <= 1:
+        raise PlanError(f"profile meta cpu_fraction must be a number in [0, 1], got {phi!r}")
+    bound = 0.0
+    if len(workers) == 1:
+        compute = [sum(profile.layers[i].forward_ms + profile.layers[i].backward_ms for i in layers) / 1e3
+                   for layers in stage_layers]
+        cores = machine.effective_cores
+        bound = cost.contention_bound(compute, machine.overhead_s, None if cores is None else cores, workers[0],
+                                      float(phi))
+    settings["pipeline_time_s"] = pipeline_s
+    settings["contention_bound_s"] = bound
+    return max(pipeline_s, bound)
+
+
+def partition(profile: Profile, workers: int | Sequence[int] | None,
+              bandwidth: float | Sequence[float] | None = None, *, straight: bool = False,
+              memory_bytes: float | None = None, machine: MachineProfile | None = None) -> Plan:
     """Plan ``profile`` for ``workers`` (workers per level, innermost first) at ``bandwidth`` bytes/s per level.
 
     A one-level machine may be given by scalars (``partition(profile, 4, 1e9)``). Returns the plan of least
@@ -696,7 +734,26 @@ def partition(profile: Profile, workers: int | Sequence[int], bandwidth: float |
     placed with their earliest consumer). Raises :class:`PlanError` for bad settings, when no plan exists (a
     straight pipeline longer than the model has cut points), or when no plan fits ``memory_bytes`` per worker
     (the message gives the smallest limit that would).
+
+    ``machine`` (a :class:`~partitioner.machine.MachineProfile` from ``pipedream-probe``) plans under the
+    measured costs of :mod:`partitioner.cost` (latencies, measured all-reduce, the runtime's fixed cost per
+    stage); ``bandwidth`` may then be None (the machine's levels give it; if given it must be the machine's) and
+    ``workers`` may be None (the machine's). The plan's ``settings["machine"]`` records the profile, so a re-plan uses
+    it again. With no measured terms it gives PipeDream's plan.
     """
+    if machine is not None:
+        if bandwidth is not None and _levels(bandwidth, "bandwidth") != machine.bandwidth:
+            raise PlanError(f"bandwidth {bandwidth!r} differs from the machine profile's {machine.bandwidth}: give "
+                            "one or the other")
+        if not isinstance(machine, MachineProfile):
+            raise PlanError(f"machine must be a MachineProfile, got {type(machine).__name__}")
+        workers = machine.workers if workers is None else workers
+        bandwidth = machine.bandwidth
+        if len(_levels(workers, "workers")) != len(machine.levels):
+            raise PlanError(f"workers has {len(_levels(workers, 'workers'))} levels but the machine profile has "
+                            f"{len(machine.levels)}")
+    elif workers is None or bandwidth is None:
+        raise PlanError("workers and bandwidth are needed (or a machine profile)")
     workers = _levels(workers, "workers")
     bandwidth = [float(b) if isinstance(b, int) and not isinstance(b, bool) else b
                  for b in _levels(bandwidth, "bandwidth")]
@@ -705,10 +762,18 @@ def partition(profile: Profile, workers: int | Sequence[int], bandwidth: float |
         raise PlanError("a memory limit is supported for single-level machines only (one --workers)")
     con = contract(profile)
     search_profile = con.profile
+    if memory_bytes is None and machine is None:  # long chains: the scalable exact search
+        fast = plan_chain(profile, con, workers, bandwidth, straight)
+        if fast is not None:
+            return fast
     states = linearize(search_profile)
     total = int(np.prod(workers))
     settings = {"workers": list(workers), "bandwidth": list(bandwidth), "straight": bool(straight),
                 "memory_bytes": memory_bytes}
+    folds: list[cost.Fold | None] = [None] * len(workers)
+    if machine is not None:
+        settings["machine"] = machine.to_json()
+        folds = [cost.Fold.of(lv, machine.overhead_s if i == 0 else 0.0) for i, lv in enumerate(machine.levels)]
     names = [l.name for l in profile.layers]
     S = states.num_states
     if S == 0:  # nothing but inputs: one stage, nothing to compute
@@ -717,27 +782,38 @@ def partition(profile: Profile, workers: int | Sequence[int], bandwidth: float |
         return Plan.from_stages([list(range(len(names)))], [total], profile_hash=profile.structure_hash(),
                                 layer_names=names, stage_times_s=[0.0], settings=settings,
                                 recompute=con.value_layers)
-    dp_time = cost.data_parallel_time(states.compute_s[-1], states.parameter_bytes[-1], workers, bandwidth)
+    dp_time = cost.data_parallel_time(states.compute_s[-1], states.parameter_bytes[-1], workers, bandwidth) \
+        if machine is None else cost.measured_data_parallel_time(states.compute_s[-1], states.parameter_bytes[-1],
+                                                                machine, workers)
 
     choices = []
     if len(workers) == 1:
-        prob = flat_problem(states, workers[0], bandwidth[0], straight, memory_bytes)
+        prob = flat_problem(states, workers[0], bandwidth[0], straight, memory_bytes, folds[0])
     else:
         # inner levels: a range's time is its best time one level in (innermost: its compute); tied groups
         # add their parameter copies at every level and their sync time at the outermost only
         prec = states.precedes
         CM, PMx = _ranges(states)
+        if folds[0] is not None:  # the fixed cost per stage, once, on the innermost ranges
+            CM, _ = _folded(folds[0], CM, PMx)
         within = 1
-        for n, b in zip(workers[:-1], bandwidth[:-1]):
+        for lvl, (n, b) in enumerate(zip(workers[:-1], bandwidth[:-1])):
+            fold = folds[lvl]
+            b = b if fold is None else fold.bandwidth
             CMb, PMb = _with_tied(states, b, CM, PMx, sync=False)
-            V, ch = _inner_level(states, CMb, PMb, n, b, within, straight)
+            PMb = _folded(fold, CMb, PMb, with_compute=False)[1]
+            lst = states if fold is None else replace(states, output_bytes=fold.out_bytes(states.output_bytes))
+            V, ch = _inner_level(lst, CMb, PMb, n, b, within, straight)
             choices.append(ch)
             CM = np.where(np.isfinite(V), V, _INF)
             within = n
-        CMb, PMb = _with_tied(states, bandwidth[-1], CM, PMx)
+        fold = folds[-1]
+        b = bandwidth[-1] if fold is None else fold.bandwidth
+        CMb, PMb = _with_tied(states, b, CM, PMx)
+        PMb = _folded(fold, CMb, PMb, with_compute=False)[1]
+        out = states.output_bytes if fold is None else fold.out_bytes(states.output_bytes)
         prob = LevelProblem(CMb[0].copy(), PMb[0].copy(), np.where(prec, CMb[1:], _INF),
-                            np.where(prec, PMb[1:], 0.0), states.output_bytes, workers[-1], bandwidth[-1], within,
-                            straight)
+                            np.where(prec, PMb[1:], 0.0), out, workers[-1], b, within, straight)
     lower = 0.0
     if len(workers) == 1:  # Σ C_s / Σ r_s <= max C_s / r_s <= the optimum
         lower = float(states.compute_s[-1]) / workers[0]
@@ -756,20 +832,25 @@ def partition(profile: Profile, workers: int | Sequence[int], bandwidth: float |
         raise PlanError("no plan exists for these settings")
 
     # expand the outer plan through the inner levels
-    ranges = []  # (row, end, replicas multiplier, outer stage time)
+    # (row, end, replicas multiplier, outer stage time, [replicas, inner plan] entry of the level plan tree)
+    tree: list[list] = []
+    ranges = []
     prev = None
     for j, r, t in zip(sol.cuts, sol.replicas, sol.stage_times):
-        ranges.append((0 if prev is None else prev + 1, j, r, t))
+        tree.append([r, None])
+        ranges.append((0 if prev is None else prev + 1, j, r, t, tree[-1]))
         prev = j
     per_level = [len(ranges)]
     for lvl in range(len(workers) - 2, -1, -1):
         nxt = []
-        for row, j, mult, t in ranges:
+        for row, j, mult, t, entry in ranges:
+            entry[1] = []
             for row2, j2, r2 in _inner_path(choices[lvl], row, j, workers[lvl] - 1):
-                nxt.append((row2, j2, mult * r2, t))
+                entry[1].append([r2, None])
+                nxt.append((row2, j2, mult * r2, t, entry[1][-1]))
         ranges = nxt
         per_level.append(len(ranges))
-    cuts = [j for _, j, _, _ in ranges]
+    cuts = [j for _, j, _, _, _ in ranges]
     stage_of: list[int | None] = [None] * len(names)
     for s, layers in enumerate(states.stage_layers(cuts, search_profile)):
         for i in layers:
@@ -779,13 +860,17 @@ def partition(profile: Profile, workers: int | Sequence[int], bandwidth: float |
     for i, s in enumerate(stage_of_all):
         stage_layers[s].append(i)
     settings["stages_per_level"] = per_level[::-1]
+    predicted = sol.time_s
+    if machine is not None:
+        predicted = _contended(profile, machine, workers, sol.time_s, stage_layers, settings)
     return Plan.from_stages(
         stage_layers,
-        [m for _, _, m, _ in ranges],
+        [m for _, _, m, _, _ in ranges],
         profile_hash=profile.structure_hash(),
         layer_names=names,
-        stage_times_s=[t for _, _, _, t in ranges],
-        time_per_minibatch_s=sol.time_s,
+        stage_times_s=[t for _, _, _, t, _ in ranges],
+        ranks=aligned_ranks(workers, tree),
+        time_per_minibatch_s=predicted,
         data_parallel_time_s=dp_time,
         settings=settings,
         recompute=con.value_layers,

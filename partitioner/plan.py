@@ -24,7 +24,11 @@ JSON format (``"format": "pipedream-ft-plan"``, ``"version": 1``)::
 
 ``time_s`` of a stage is its predicted time per minibatch (compute divided among its replicas, plus their
 weight all-reduce); ``time_per_minibatch_s`` is the pipeline's, i.e. that of its slowest stage or link.
-Ranks are given to stages in order, each stage a contiguous block.
+Ranks of a flat plan are given to stages in order, each stage a contiguous block. Ranks of a hierarchical plan
+follow the machine hierarchy (see :func:`aligned_ranks`): rank ``g`` sits on the level-1 machine
+``g // n_1``, the level-2 machine ``g // (n_1 n_2)``, and so on, and every machine runs the part of the plan
+the hierarchy gave it, so a stage's replicas occupy as few machines as the plan allows and a stage that
+fits on one machine never straddles two.
 
 ``recompute`` (optional, default empty) lists the *value* layers (``Layer.kind == "value"``: shape arithmetic
 and other outputs holding no tensor). They are never sent between stages: a stage that needs one recomputes
@@ -38,9 +42,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
-__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "PlanError", "PlanStage", "Plan", "load_plan"]
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "PlanError", "PlanStage", "Plan", "load_plan", "LevelPlan", "aligned_ranks"]
 
 PLAN_FORMAT = "pipedream-ft-plan"
 PLAN_VERSION = 1
@@ -48,6 +52,56 @@ PLAN_VERSION = 1
 
 class PlanError(ValueError):
     """A plan is malformed, or does not fit the model or world it is used with."""
+
+
+LevelPlan = Sequence[tuple[int, Union["LevelPlan", None]]]
+"""A plan of one level of a machine hierarchy: its stages in pipeline order, each as ``(replicas, inner)``:
+``replicas`` machines of the level below run the stage, and ``inner`` is the plan each of them runs
+(a :data:`LevelPlan` one level further in), or None at the innermost level, whose machines are workers."""
+
+
+def aligned_ranks(workers: Sequence[int], plan: LevelPlan) -> list[tuple[int, ...]]:
+    """Global ranks of the innermost stages of a hierarchical ``plan``, aligned to machine boundaries.
+
+    ``workers`` gives the machines per level, innermost first (``[8, 16, 8]``: 8 workers per node, 16 nodes
+    per rack, 8 racks); ``plan`` is the outermost level's :data:`LevelPlan`. A level-``l`` machine holds the
+    consecutive ranks ``[m U_l, (m+1) U_l)`` with ``U_l = n_1 ... n_l``. Each stage of a level-``l`` plan is
+    given ``replicas`` consecutive level-``(l-1)`` machines, in pipeline order, and every one of them runs the
+    stage's inner plan on its own ranks. An innermost stage with ``r_1`` workers in a plan replicated
+    ``r_2 ... r_L`` times above it thus gets ``r_1`` consecutive ranks on each of ``r_2 ... r_L`` nodes: the
+    fewest nodes it can use, and it straddles no node. Returns one rank tuple (ascending) per innermost
+    stage, in pipeline order; raises :class:`PlanError` if a level's replica counts do not add up to its
+    machine count.
+    """
+    workers = [int(n) for n in workers]
+    if not workers or any(n < 1 for n in workers):
+        raise PlanError(f"workers must list a positive machine count per level, got {workers}")
+    def leaves(level: int, sub: LevelPlan, base: int) -> list[list[int]]:
+        unit = 1
+        for n in workers[:level]:
+            unit *= n
+        result: list[list[int]] = []
+        used = 0
+        for replicas, inner in sub:
+            if isinstance(replicas, bool) or int(replicas) != replicas or replicas < 1:
+                raise PlanError(f"level {level + 1}: replicas must be a whole number >= 1, got {replicas!r}")
+            if (inner is None) != (level == 0):
+                raise PlanError(f"level {level + 1}: " + ("an innermost stage cannot have an inner plan" if level == 0
+                                                           else "a stage needs the plan its machines run"))
+            if level == 0:
+                result.append(list(range(base + used, base + used + replicas)))
+            else:
+                merged: list[list[int]] | None = None
+                for i in range(replicas):
+                    part = leaves(level - 1, inner, base + (used + i) * unit)
+                    merged = part if merged is None else [m + q for m, q in zip(merged, part)]
+                result.extend(merged or [])
+            used += replicas
+        if used != workers[level]:
+            raise PlanError(f"level {level + 1}: stages use {used} machines, but the level has {workers[level]}")
+        return result
+
+    return [tuple(sorted(r)) for r in leaves(len(workers) - 1, plan, 0)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,17 +231,24 @@ class Plan:
         data_parallel_time_s: float = 0.0,
         settings: dict[str, Any] | None = None,
         recompute: Sequence[int] = (),
+        ranks: Sequence[Sequence[int]] | None = None,
     ) -> Plan:
-        """Assign contiguous rank blocks to stages in order and build the plan."""
+        """Build the plan; ``ranks`` gives each stage's ranks (default: contiguous blocks in stage order,
+        see :func:`aligned_ranks` for a machine hierarchy)."""
         if len(stage_layers) != len(replicas):
             raise PlanError(f"{len(stage_layers)} stages but {len(replicas)} replica counts")
+        if ranks is not None and len(ranks) != len(replicas):
+            raise PlanError(f"{len(stage_layers)} stages but {len(ranks)} rank lists")
         stages = []
         next_rank = 0
         for i, (layers, r) in enumerate(zip(stage_layers, replicas)):
-            ranks = tuple(range(next_rank, next_rank + r))
+            if ranks is None:
+                stage_ranks = tuple(range(next_rank, next_rank + r))
+            else:
+                stage_ranks = tuple(sorted(int(x) for x in ranks[i]))
             next_rank += r
             t = float(stage_times_s[i]) if stage_times_s is not None else 0.0
-            stages.append(PlanStage(i, tuple(sorted(layers)), int(r), ranks, t))
+            stages.append(PlanStage(i, tuple(sorted(layers)), int(r), stage_ranks, t))
         return Plan(
             tuple(stages),
             profile_hash,

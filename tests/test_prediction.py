@@ -1,0 +1,63 @@
+"""Predictions that hold, checked by measurement on the sleep model (ratios, not timing thresholds).
+
+Two straight 4-stage sleep pipelines, 2/4 ms and 6/12 ms per layer, run on 4 gloo ranks; the plans'
+predicted times per minibatch must rank them as measured, and their ratio must match the measured ratio
+within generous bounds (a loaded machine slows both runs alike). The contention bound is checked on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from partitioner import partition  # noqa: E402
+from partitioner.machine import MachineLevel, MachineProfile  # noqa: E402
+from profiler.profile import Profile  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+MACHINE = MachineProfile((MachineLevel(4, 5e-5, 4e9, 2e-4, 2e9),), overhead_s=6e-4, cores=2)
+
+
+def _sleep_profile(fwd: float, bwd: float) -> Profile:
+    from profiler.layers import structure_profile
+    from sleep_model import sleep_model
+
+    prof = structure_profile(sleep_model(4, fwd, bwd))
+    layers = tuple(dataclasses.replace(l, forward_ms=fwd, backward_ms=bwd, activation_bytes=8 * 64 * 4)
+                   for l in prof.layers)
+    return Profile(layers, prof.edges, {"cpu_fraction": 0.0}, prof.tied, prof.inputs)
+
+
+def test_sleep_predictions_rank_and_ratio_hold():
+    from bench_prediction import CASES, run_plan
+
+    fast, slow = _sleep_profile(2.0, 4.0), _sleep_profile(6.0, 12.0)
+    plans = [partition(p, None, machine=MACHINE, straight=True) for p in (fast, slow)]
+    predicted = [p.time_per_minibatch_s for p in plans]
+    assert predicted[0] == pytest.approx(6e-3 + 6e-4 + 0, rel=1e-9)  # slowest stage: C + O
+    cases = [dataclasses.replace(CASES["sleep-2/4"], minibatches=48), dataclasses.replace(CASES["sleep-2/4"],
+                                                                                          name="sleep-6/12",
+                                                                                          minibatches=24)]
+    measured = [run_plan(c, p)["steady_s"] for c, p in zip(cases, plans)]
+    assert measured[1] > measured[0]
+    ratio_pred, ratio_meas = predicted[1] / predicted[0], measured[1] / measured[0]
+    assert 0.75 * ratio_pred <= ratio_meas <= 1.25 * ratio_pred, (predicted, measured)
+
+
+def test_contention_bound_enters_the_prediction():
+    p = _sleep_profile(2.0, 4.0)
+    busy = Profile(p.layers, p.edges, {}, p.tied, p.inputs)  # the same times, but on a core
+    m = dataclasses.replace(MACHINE, cpu_parallelism=1.0)
+    sleepy = partition(p, None, machine=m, straight=True)
+    cpu = partition(busy, None, machine=m, straight=True)
+    assert sleepy.time_per_minibatch_s == pytest.approx(6.6e-3)
+    # 4 stages of 6 ms compute + 0.6 ms fixed cost on one effective core
+    assert cpu.time_per_minibatch_s == pytest.approx(4 * 6.6e-3)
+    assert cpu.settings["pipeline_time_s"] == pytest.approx(6.6e-3)
+    assert cpu.settings["contention_bound_s"] == pytest.approx(4 * 6.6e-3)
