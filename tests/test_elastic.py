@@ -66,3 +66,29 @@ def test_a_resize_that_cannot_go_on_stops_with_one_message(tmp_path, kind, messa
     msgs = {out[r][1][1] for r in range(2)}
     assert len(msgs) == 1 and message in msgs.pop(), out
     assert sorted(p.name for p in url.rglob("*")) == before  # the checkpoint is untouched
+
+
+def test_replan_keeps_the_plan_s_machine_profile() -> None:
+    """A plan made with measured costs is re-planned with them (same levels), or without them when a
+    multi-level machine no longer fits the new world size."""
+    import random
+
+    from helpers_profiles import random_profile
+    from partitioner.machine import MachineLevel, MachineProfile
+    from partitioner.optimizer import partition
+    from pipedream_ft.ft.elastic import replan
+
+    profile = random_profile(random.Random(3), 12, dag=False)
+    machine = MachineProfile((MachineLevel(4, 2e-3, 1e8, 5e-3, 5e7),), overhead_s=1e-3)
+    plan = partition(profile, None, None, machine=machine)
+    again = replan(profile, 4, plan.settings)
+    assert again.settings["machine"] == plan.settings["machine"]
+    assert again.time_per_minibatch_s == plan.time_per_minibatch_s
+    smaller = replan(profile, 2, plan.settings)
+    assert smaller.settings["machine"] == plan.settings["machine"]
+    assert smaller.time_per_minibatch_s == partition(profile, [2], None, machine=machine).time_per_minibatch_s
+    # a two-level machine and a world size that no longer factors into it: planned without the profile
+    two = MachineProfile((MachineLevel(2, 1e-4, 1e9), MachineLevel(2, 1e-3, 1e8)))
+    plan2 = partition(profile, None, None, machine=two)
+    fallback = replan(profile, 3, plan2.settings)
+    assert not fallback.settings.get("machine")

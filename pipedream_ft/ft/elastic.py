@@ -56,8 +56,19 @@ def replan(profile: Profile, world_size: int, settings: dict[str, Any]) -> Plan:
     else:
         workers, bandwidth = [world_size], [min(bandwidths)]
     memory = settings.get("memory_bytes")
+    machine = None
+    if settings.get("machine"):  # planned with measured costs: plan with them again where the levels still fit
+        from partitioner.machine import MachineProfile
+
+        machine = MachineProfile.from_json(settings["machine"], source="the plan's machine profile")
+        if len(workers) != len(machine.levels):
+            log.info("re-planning %d workers without the %d-level machine profile (one level now)", world_size,
+                     len(machine.levels))
+            machine = None
+        else:
+            bandwidth = machine.bandwidth
     return partition(profile, workers, bandwidth, straight=bool(settings.get("straight", False)),
-                     memory_bytes=float(memory) if memory is not None else None)
+                     memory_bytes=float(memory) if memory is not None else None, machine=machine)
 
 
 def store_profile(storage: Storage, profile: Profile) -> None:
