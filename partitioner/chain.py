@@ -224,10 +224,13 @@ class _Chain:
             m[self.S] = True
         return hi, ok_in, ok_out, lv_ok
 
-    def _rep_hi(self, T: float, l: int, r: int) -> np.ndarray:
-        """Relaxation of a level-``l`` stage on ``r`` machines: last ``q`` with its compute lower bound ``<= T``."""
+    def _rep_hi(self, T: float, l: int, r: int, first: bool) -> np.ndarray:
+        """Relaxation of a level-``l`` stage on ``r`` machines: last ``q`` with its compute lower bound ``<= T``.
+
+        The bound is ``(C / U_{l-1} + 4 (r-1) P / (B_l r) [/ n_{l-1} for the first stage of its range]) / r``.
+        """
         Um = self.U[l - 1]
-        a = 4.0 * (r - 1) * Um / (self.B[l - 1] * r * self.n[l - 2])
+        a = 4.0 * (r - 1) * Um / (self.B[l - 1] * r * (self.n[l - 2] if first else 1))
         F = self.C + a * self.P
         lim = F + T * r * Um * (1.0 + _SLACK) + 1e-300
         return np.maximum(np.searchsorted(F, lim, side="right") - 1, self.pos)
@@ -250,7 +253,10 @@ class _Chain:
         if relaxed:
             for l in range(2, self.L + 1):
                 for r in range(2, self.n[l - 1] + 1):
-                    rep_hi[(l, r)] = self._rep_hi(T, l, r)
+                    for first in (False, True):
+                        rep_hi[(l, r, first)] = self._rep_hi(T, l, r, first)
+                    # its own transfers, when it is not the first of its range (2 o / (B_l r) at both ends)
+                    rep_hi[(l, r, "ok")] = cost.transfer_time(self.o, r, self.B[l - 1]) <= T * (1.0 + _SLACK)
         us = np.arange(N + 1, dtype=float)
         # band of positions u workers can have covered (every stage takes at least its compute / its workers)
         with np.errstate(invalid="ignore"):
@@ -280,8 +286,15 @@ class _Chain:
                         break
                     k = (u % self.U[l]) // Um
                     for r in range(2, self.n[l - 1] - k + 1):
-                        h2 = rep_hi[(l, r)][idx]
-                        self._spread(idx, h2[None, :], rep[u + r * Um: u + r * Um + 1], None, monotone=True)
+                        first = u % self.U[l] == 0
+                        h2 = rep_hi[(l, r, first)][idx]
+                        mask = None
+                        if not first:
+                            ok = rep_hi[(l, r, "ok")].copy()
+                            ok[S] = True
+                            h2 = np.where(ok[idx], h2, -1)
+                            mask = ok[None, :]
+                        self._spread(idx, h2[None, :], rep[u + r * Um: u + r * Um + 1], mask, monotone=first)
             dep = self.depart_lv[u]
             if dep is not None:
                 idx = idx[lv_ok[dep][idx]]
@@ -471,7 +484,7 @@ def _boundary_time(ch: _Chain, bounds: list[int], reps: list[int]) -> float:
     return worst
 
 
-CHAIN_MIN_STATES = 1000
+CHAIN_MIN_STATES = 256
 """Chains with at least this many states are planned here (smaller ones by the general path, as before)."""
 
 _DENSE_BYTES = 2.0e9
@@ -479,17 +492,19 @@ _DENSE_BYTES = 2.0e9
 
 
 def plan_chain(profile: Profile, con, workers: Sequence[int], bandwidth: Sequence[float], straight: bool,
-               *, min_states: int = CHAIN_MIN_STATES):
+               *, min_states: int | None = None):
     """The plan of ``profile`` by :func:`solve_chain`, or None when the general path should plan it.
 
     ``con`` is ``contract(profile)`` (planning runs on its tensor layers). Returns None if the contracted
-    profile is no chain, has fewer than ``min_states`` states, or the search cannot decide and the general
+    profile is no chain, has fewer than ``min_states`` states (default :data:`CHAIN_MIN_STATES`), or the search cannot decide and the general
     path fits in memory; raises :class:`~partitioner.plan.PlanError` when no plan exists or the general path
     would not fit either.
     """
     from .contract import place_values
     from .plan import Plan, PlanError, aligned_ranks
 
+    if min_states is None:
+        min_states = CHAIN_MIN_STATES
     cs = chain_states(con.profile)
     if cs is None or cs.num_states < min_states:
         return None
