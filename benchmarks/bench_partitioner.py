@@ -1,6 +1,6 @@
 """Benchmark of the partitioner: PipeDream's profiles, cluster-scale chains, a synthetic ResNet, fx-traced GPTs.
 
-Run: ``python benchmarks/bench_partitioner.py [--repeats 5] [--profiles DIR] [--scale-layers 3000 10000]
+Run: ``python benchmarks/bench_partitioner.py [--repeats 5] [--profiles DIR] [--scale-layers 300 3000 10000]
 [--old-timeout 60] [--layers 700] [--seed 0] [--gpt-layers 4 12 24] [--uncontracted]``. Every wall time is the
 median of ``--repeats`` runs of ``partition`` (this machine is shared: the spread is printed too).
 
@@ -8,8 +8,8 @@ median of ``--repeats`` runs of ``partition`` (this machine is shared: the sprea
   ``resnet101.graph.txt`` is there (PipeDream's ``profiler/image_classification/profiles/resnet101/graph.txt``),
   resnet101, on 32 workers and on a 4 x 8 machine.
 * **Cluster scale**: chains of ``--scale-layers`` blocks where every block also feeds the block after next
-  (``skip_chain``), on 1,024 workers as 8 GPUs x 16 nodes x 8 racks at 100 / 25 / 5 GB/s, and on 64 workers
-  (8 x 8). ``old s`` is the general path's time on the same problem (the scalable search switched off), run in
+  (``skip_chain``), on 1,024 workers as 8 GPUs x 16 nodes x 8 racks at 100 / 25 / 5 GB/s, on 64 workers
+  (8 x 8) and, for 300 layers, 16 (4 x 4). ``old s`` is the general path's time on the same problem (the scalable search switched off), run in
   a subprocess with ``--old-timeout``; ``same`` says whether both found the same optimum; ``path`` which path
   planned it (``general`` where the scalable search could not rule out stages replicated across machines, e.g.
   1,000 layers on 1,024 workers: that case takes minutes).
@@ -159,24 +159,27 @@ def _old_path(layers: int, seed: int, workers, bandwidth, timeout: float) -> tup
     return f"{wall:.3f}", value
 
 
+SCALE_CASES = [(300, [4, 4], [1e11, 2.5e10]), (300, [8, 8], [1e11, 2.5e10]), (3000, [8, 8], [1e11, 2.5e10]),
+               (3000, *SCALE_WORKERS), (10000, [8, 8], [1e11, 2.5e10]), (10000, *SCALE_WORKERS)]
+
+
 def _scale_rows(sizes: list[int], seed: int, repeats: int, old_timeout: float) -> None:
     print(f"{'graph':>14} {'layers':>6} {'states':>6} {'workers':>8} {'bandwidth B/s':>20} "
           f"{'wall s median (min-max)':>24} {'old s':>12} {'same':>5} {'path':>8} {'time/minibatch s':>16} "
           f"{'stages':>6} {'max replicas':>12}")
-    for layers in sizes:
+    for layers, workers, bandwidth in [c for c in SCALE_CASES if c[0] in sizes]:
         profile = skip_chain(layers, seed)
         cs = chain.chain_states(contract(profile).profile)
         states = cs.num_states
-        for workers, bandwidth in (SCALE_WORKERS, ([8, 8], [1e11, 2.5e10])):
-            path = "chain" if chain.solve_chain(cs, workers, bandwidth) is not None else "general"
-            plan, med, lo, hi = _timed(lambda: partition(profile, workers, bandwidth), repeats)
-            old, old_value = _old_path(layers, seed, workers, bandwidth, old_timeout)
-            same = "-" if old_value is None else ("yes" if old_value == plan.time_per_minibatch_s else "NO")
-            label = "x".join(str(n) for n in workers)
-            bws = ",".join(f"{b:.1e}" for b in bandwidth)
-            print(f"{'skip-chain':>14} {layers:>6} {states:>6} {label:>8} {bws:>20} {_fmt_wall(med, lo, hi):>24} "
-                  f"{old:>12} {same:>5} {path:>8} {plan.time_per_minibatch_s:>16.6g} {plan.num_stages:>6} "
-                  f"{max(s.replicas for s in plan.stages):>12}", flush=True)
+        path = "chain" if chain.solve_chain(cs, workers, bandwidth) is not None else "general"
+        plan, med, lo, hi = _timed(lambda: partition(profile, workers, bandwidth), repeats)
+        old, old_value = _old_path(layers, seed, workers, bandwidth, old_timeout)
+        same = "-" if old_value is None else ("yes" if old_value == plan.time_per_minibatch_s else "NO")
+        label = "x".join(str(n) for n in workers)
+        bws = ",".join(f"{b:.1e}" for b in bandwidth)
+        print(f"{'skip-chain':>14} {layers:>6} {states:>6} {label:>8} {bws:>20} {_fmt_wall(med, lo, hi):>24} "
+              f"{old:>12} {same:>5} {path:>8} {plan.time_per_minibatch_s:>16.6g} {plan.num_stages:>6} "
+              f"{max(s.replicas for s in plan.stages):>12}", flush=True)
 
 
 def _pipedream_rows(directory: Path, repeats: int) -> None:
@@ -192,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="runs per case; the median wall time is printed")
     ap.add_argument("--profiles", type=Path, default=ROOT.parent / "shared" / "profiles",
                     help="folder with PipeDream's <model>.graph.txt profiles")
-    ap.add_argument("--scale-layers", type=int, nargs="*", default=[3000, 10000],
-                    help="layers of the cluster-scale skip chains")
+    ap.add_argument("--scale-layers", type=int, nargs="*", default=[300, 3000, 10000],
+                    help="layers of the cluster-scale skip chains (cases: SCALE_CASES)")
     ap.add_argument("--old-timeout", type=float, default=60.0, help="seconds the general path gets per scale case")
     ap.add_argument("--layers", type=int, default=700, help="layers of the synthetic ResNet-like profile")
     ap.add_argument("--seed", type=int, default=0)

@@ -135,6 +135,13 @@ def _bits(mask: int) -> list[int]:
     return out
 
 
+def _unpack(masks: list[int], n: int) -> np.ndarray:
+    """Bit masks over ``n`` layers as a ``(len(masks), n)`` boolean matrix."""
+    width = (n + 7) // 8
+    raw = np.frombuffer(b"".join(m.to_bytes(width, "little") for m in masks), dtype=np.uint8)
+    return np.unpackbits(raw.reshape(len(masks), width), axis=1, bitorder="little")[:, :n].astype(bool)
+
+
 def linearize(profile: Profile) -> AntichainStates:
     """Enumerate PipeDream's antichain states of ``profile`` (see the module docstring)."""
     layers = profile.layers
@@ -216,22 +223,20 @@ def linearize(profile: Profile) -> AntichainStates:
         down = 0
         for a in antichain:
             down |= anc[a] | (1 << a)
-        idx = _bits(down)
-        records.append((len(idx), antichain, down, idx, _bits(aug)))
+        records.append((down.bit_count(), antichain, down, aug))
     records.sort(key=lambda r: (r[0], r[1]))
     s = len(records)
-    member = np.zeros((s, n), dtype=np.float32)
-    compute = np.empty(s)
-    params = np.empty(s)
-    acts = np.empty(s)
-    outs = np.empty(s)
-    for i, (_, _, _, idx, aug_idx) in enumerate(records):
-        member[i, idx] = 1.0
-        # summed in ascending layer order, so equal downsets give bit-identical totals
-        compute[i] = float(sum(fwd[idx].tolist()))
-        params[i] = float(sum(par[idx].tolist()))
-        acts[i] = float(sum(act[idx].tolist()))
-        outs[i] = float(sum(act[aug_idx].tolist()))
+    member = _unpack([r[2] for r in records], n)  # (s, n) bool: downsets
+    crossing_m = _unpack([r[3] for r in records], n)  # augmented antichains
+    # summed in ascending layer order (a running sum; adding 0.0 changes nothing), as ``sum`` over the
+    # members would: equal downsets give bit-identical totals
+    compute = np.cumsum(np.where(member, fwd, 0.0), axis=1)[:, -1]
+    params = np.cumsum(np.where(member, par, 0.0), axis=1)[:, -1]
+    acts = np.cumsum(np.where(member, act, 0.0), axis=1)[:, -1]
+    outs = np.cumsum(np.where(crossing_m, act, 0.0), axis=1)[:, -1]
+    downsets = tuple(tuple(np.flatnonzero(row).tolist()) for row in member)
+    crossing = tuple(tuple(np.flatnonzero(row).tolist()) for row in crossing_m)
+    member = member.astype(np.float32)
     gone_mask = sum(1 << g for g in gone)
     for inp in profile.inputs:  # an input a later layer reads crosses the cut too
         readers = sum(1 << r for r in inp.readers) & ~gone_mask
@@ -253,13 +258,13 @@ def linearize(profile: Profile) -> AntichainStates:
     precedes = (outside == 0) & (sizes[:, None] < sizes[None, :])
     return AntichainStates(
         antichains=tuple(r[1] for r in records),
-        downsets=tuple(tuple(r[3]) for r in records),
+        downsets=downsets,
         compute_s=compute,
         parameter_bytes=params,
         activation_bytes=acts,
         output_bytes=outs,
         precedes=precedes,
-        crossing=tuple(tuple(r[4]) for r in records),
+        crossing=crossing,
         removed_inputs=tuple(removed_inputs),
         removed_sinks=tuple(removed_sinks),
         tied_bytes=np.array([float(g.bytes) for g in groups]),

@@ -43,7 +43,7 @@ from profiler.profile import Profile
 
 from . import cost
 from .antichain import AntichainStates, linearize
-from .chain import plan_chain
+from .chain import flat_upper_plan, plan_chain
 from .contract import contract, place_values
 from .machine import MachineProfile
 from .plan import Plan, PlanError, aligned_ranks
@@ -395,12 +395,23 @@ def _float(b: int) -> float:
     return float(np.array(b, dtype=np.int64).view(np.float64))
 
 
-def solve_level(prob: LevelProblem, lower_bound: float = 0.0) -> LevelSolution | None:
+def solve_level(prob: LevelProblem, lower_bound: float = 0.0,
+                upper: tuple[Sequence[int], Sequence[int]] | None = None) -> LevelSolution | None:
     """The exact optimum of one level (None if no plan exists).
 
-    ``lower_bound`` (optional) must not exceed the optimum; it only shortens the search.
+    ``lower_bound`` (optional) must not exceed the optimum; it only shortens the search. ``upper``
+    (optional) is a plan of this level, as (last state of each stage, replicas): if nothing is faster it is
+    returned after one test, else the search starts from it.
     """
     search = _Search(prob)
+    if upper is not None:
+        cuts, reps = [int(j) for j in upper[0]], [int(r) for r in upper[1]]
+        times = stage_times(prob, cuts, reps)
+        below = float(np.nextafter(max(times), -np.inf))
+        table = search.feasible(below) if below >= 0 else None
+        if table is None:
+            return LevelSolution(max(times), cuts, reps, times)
+        return _narrow(search, search.witness(table), lower_bound)
     with np.errstate(invalid="ignore"):
         cands = [search.t1, search.t01]
         if prob.workers >= 2 and not prob.straight:
@@ -414,7 +425,11 @@ def solve_level(prob: LevelProblem, lower_bound: float = 0.0) -> LevelSolution |
     table = search.feasible(float(vals.max()))
     if table is None:
         return None
-    best = search.witness(table)
+    return _narrow(search, search.witness(table), lower_bound)
+
+
+def _narrow(search: _Search, best: LevelSolution, lower_bound: float) -> LevelSolution:
+    """The optimum, given a feasible plan ``best`` (bisection over float bits, then over candidate times)."""
     hi_bits = _bits(best.time_s)
     lo_bits = -1  # stands for the (infeasible) value just below +0.0
     if best.time_s > 0:
@@ -817,7 +832,10 @@ def partition(profile: Profile, workers: int | Sequence[int] | None,
     lower = 0.0
     if len(workers) == 1:  # Σ C_s / Σ r_s <= max C_s / r_s <= the optimum
         lower = float(states.compute_s[-1]) / workers[0]
-    sol = solve_level(prob, lower)
+    upper = None
+    if len(workers) == 1 and memory_bytes is None and machine is None:  # cuts between blocks first
+        upper = flat_upper_plan(states, workers[0], bandwidth[0], straight)
+    sol = solve_level(prob, lower, upper)
     if sol is None:
         if memory_bytes is not None:
             need = _smallest_memory(states, workers[0], bandwidth[0], straight)
