@@ -1,11 +1,11 @@
 """Benchmark of the partitioner: PipeDream's profiles, cluster-scale chains, a synthetic ResNet, fx-traced GPTs.
 
-Run: ``python benchmarks/bench_partitioner.py [--repeats 5] [--profiles DIR] [--scale-layers 300 3000 10000]
+Run: ``python benchmarks/bench_partitioner.py [--repeats 5] [--profiles DIR ...] [--scale-layers 300 3000 10000]
 [--old-timeout 60] [--layers 700] [--seed 0] [--gpt-layers 4 12 24] [--uncontracted]``. Every wall time is the
 median of ``--repeats`` runs of ``partition`` (this machine is shared: the spread is printed too).
 
 * **PipeDream's profiles** (``--profiles``, default ``../shared/profiles``): vgg16, resnet18 and, if
-  ``resnet101.graph.txt`` is there (PipeDream's ``profiler/image_classification/profiles/resnet101/graph.txt``),
+  ``resnet101.graph.txt`` is in one of the folders (PipeDream's ``profiler/image_classification/profiles/resnet101/graph.txt``),
   resnet101, on 32 workers and on a 4 x 8 machine.
 * **Cluster scale**: chains of ``--scale-layers`` blocks where every block also feeds the block after next
   (``skip_chain``), on 1,024 workers as 8 GPUs x 16 nodes x 8 racks at 100 / 25 / 5 GB/s, on 64 workers
@@ -182,19 +182,21 @@ def _scale_rows(sizes: list[int], seed: int, repeats: int, old_timeout: float) -
               f"{max(s.replicas for s in plan.stages):>12}", flush=True)
 
 
-def _pipedream_rows(directory: Path, repeats: int) -> None:
+def _pipedream_rows(directories: list[Path], repeats: int) -> None:
     for name in ("vgg16", "resnet18", "resnet101"):
-        path = directory / f"{name}.graph.txt"
-        if not path.exists():
-            print(f"{name:>14}  (no {path}: PipeDream's profiler/image_classification/profiles/{name}/graph.txt)")
+        found = [d / f"{name}.graph.txt" for d in directories if (d / f"{name}.graph.txt").exists()]
+        if not found:
+            print(f"{name:>14}  (no {name}.graph.txt in {', '.join(map(str, directories))}: PipeDream's "
+                  f"profiler/image_classification/profiles/{name}/graph.txt)")
             continue
+        path = found[0]
         _rows(name, load_profile(path), [([32], [1e10], False), ([32], [1e9], False), ([4, 8], [1e11, 1e10], False)],
               repeats)
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5, help="runs per case; the median wall time is printed")
-    ap.add_argument("--profiles", type=Path, default=ROOT.parent / "shared" / "profiles",
-                    help="folder with PipeDream's <model>.graph.txt profiles")
+    ap.add_argument("--profiles", type=Path, nargs="+", default=[ROOT.parent / "shared" / "profiles"],
+                    help="folders with PipeDream's <model>.graph.txt profiles (the first holding a model is used)")
     ap.add_argument("--scale-layers", type=int, nargs="*", default=[300, 3000, 10000],
                     help="layers of the cluster-scale skip chains (cases: SCALE_CASES)")
     ap.add_argument("--old-timeout", type=float, default=60.0, help="seconds the general path gets per scale case")

@@ -448,12 +448,13 @@ def solve_chain(cs: ChainStates, workers: Sequence[int], bandwidth: Sequence[flo
     # every stage takes at least its compute over its workers, so no plan beats total / N
     lb = total / N * (1.0 - 1e-9)
     lo = lb if lb > 0 else -1.0  # below lo: infeasible (-1 stands for just below 0)
-    if not ch.reach(math.inf)[0]:  # no plan without machines shared by a stage
+    # a one-level machine always has a plan unless straight (one stage on every worker)
+    if (straight or ch.L > 1) and not ch.reach(math.inf)[0]:  # no plan without machines shared by a stage
         if straight or ch.L == 1:
             raise ValueError("no plan exists for these settings")
         return None
-    T = total / N if total > 0 else 0.0
-    step = 0.01
+    T = total / N * 1.01 if total > 0 else 0.0  # total / N itself needs a perfect balance
+    step = 0.02
     hi_T = None
     while hi_T is None:
         if ch.reach(T)[0]:

@@ -16,9 +16,10 @@ import pytest
 
 from partitioner import PlanError, partition
 from partitioner.antichain import linearize
-from partitioner.chain import chain_states, plan_chain, solve_chain
+from helpers_profiles import random_profile
+from partitioner.chain import chain_states, comparable_chain, flat_upper_plan, plan_chain, solve_chain
 from partitioner.contract import contract
-from partitioner.optimizer import exhaustive_level, flat_problem
+from partitioner.optimizer import exhaustive_level, flat_problem, solve_level
 from profiler.profile import Layer, ModelInput, Profile
 
 pytestmark = pytest.mark.timeout(300)
@@ -155,3 +156,29 @@ def test_straight_too_long_fails():
     prof = skip_chain(rng, 1100)
     with pytest.raises(PlanError, match="straight"):
         partition(prof, [8, 16, 9], [1e11, 1e10, 1e9], straight=True)
+
+
+def test_comparable_chain_keeps_only_cuts_between_blocks():
+    # 0 -> {1, 2} -> 3 -> 4: the states inside the diamond are not comparable with each other
+    layers = tuple(Layer(str(i), "Conv", 1.0 + i, 1.0, 10.0, 100.0) for i in range(5))
+    prof = Profile(layers, ((0, 1), (0, 2), (1, 3), (2, 3), (3, 4)))
+    states = linearize(prof)
+    cs, index = comparable_chain(states)
+    for k in index:
+        assert all(states.precedes[k, j] or states.precedes[j, k] for j in range(states.num_states) if j != k)
+    assert len(index) < states.num_states and index[-1] == states.num_states - 1
+    assert np.array_equal(cs.compute[1:], states.compute_s[index])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_search_from_any_upper_plan_is_exact(seed):
+    rng = random.Random(12000 + seed)
+    prof = random_profile(rng, rng.randint(2, 6), dag=True)
+    M = rng.randint(1, 4)
+    states = linearize(prof)
+    prob = flat_problem(states, M, 1e9, False, None)
+    want = exhaustive_level(prob)
+    upper = flat_upper_plan(states, M, 1e9, False)
+    assert solve_level(prob, 0.0, upper).time_s == pytest.approx(want, rel=1e-12)
+    # a poor upper plan (one stage on every worker) leads to the same optimum
+    assert solve_level(prob, 0.0, ([states.num_states - 1], [M])).time_s == pytest.approx(want, rel=1e-12)
