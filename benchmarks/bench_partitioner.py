@@ -5,14 +5,15 @@ Run: ``python benchmarks/bench_partitioner.py [--repeats 5] [--profiles DIR ...]
 median of ``--repeats`` runs of ``partition`` (this machine is shared: the spread is printed too).
 
 * **PipeDream's profiles** (``--profiles``, default ``../shared/profiles``): vgg16, resnet18 and, if
-  ``resnet101.graph.txt`` is in one of the folders (PipeDream's ``profiler/image_classification/profiles/resnet101/graph.txt``),
-  resnet101, on 32 workers and on a 4 x 8 machine.
+  ``resnet101.graph.txt`` is in one of the folders (PipeDream's
+  ``profiler/image_classification/profiles/resnet101/graph.txt``), resnet101, on 32 workers and on a 4 x 8
+  machine; ``old s`` is the general path alone on the same case.
 * **Cluster scale**: chains of ``--scale-layers`` blocks where every block also feeds the block after next
   (``skip_chain``), on 1,024 workers as 8 GPUs x 16 nodes x 8 racks at 100 / 25 / 5 GB/s, on 64 workers
-  (8 x 8) and, for 300 layers, 16 (4 x 4). ``old s`` is the general path's time on the same problem (the scalable search switched off), run in
-  a subprocess with ``--old-timeout``; ``same`` says whether both found the same optimum; ``path`` which path
-  planned it (``general`` where the scalable search could not rule out stages replicated across machines, e.g.
-  1,000 layers on 1,024 workers: that case takes minutes).
+  (8 x 8) and, for 300 layers, 16 (4 x 4). ``old s`` is the general path's time on the same problem (the
+  scalable search switched off), run in a subprocess with ``--old-timeout``; ``same`` says whether both found
+  the same optimum; ``path`` which path planned it (``general`` where the scalable search could not rule out
+  stages replicated across machines, e.g. 1,000 layers on 1,024 workers: that case takes minutes).
 * **resnet-like** (``--layers``): a chain with a residual edge around every 7 layers. **gpt**: ``examples.gpt``
   (GPTConfig defaults: vocab 256, 128 wide, 4 heads, a minibatch of 8 sequences of 128 tokens) profiled on this
   machine's CPU at ``n_layer`` 4, 12 and 24; ``--uncontracted`` adds the n_layer-4 GPT with every value layer as
@@ -113,16 +114,26 @@ def _fmt_wall(med: float, lo: float, hi: float) -> str:
     return f"{med:>8.3f} ({lo:.3f}-{hi:.3f})"
 
 
-def _rows(name: str, profile: Profile, cases: list[tuple[list[int], list[float], bool]], repeats: int = 1) -> None:
+def _rows(name: str, profile: Profile, cases: list[tuple[list[int], list[float], bool]], repeats: int = 1,
+          old: bool = False) -> None:
     values = sum(l.kind == "value" for l in profile.layers)
     states = linearize(contract(profile).profile).num_states
     for workers, bandwidth, straight in cases:
         plan, med, lo, hi = _timed(lambda: partition(profile, workers, bandwidth, straight=straight), repeats)
         label = "x".join(str(n) for n in workers)
         bws = ",".join(f"{b:.0e}" for b in bandwidth)
+        extra = ""
+        if old:  # the general path alone (no chain search, no upper plan from the cuts between blocks)
+            chain.SCALABLE = False
+            try:
+                ref, omed, _, _ = _timed(lambda: partition(profile, workers, bandwidth, straight=straight), repeats)
+            finally:
+                chain.SCALABLE = True
+            same = "yes" if ref.time_per_minibatch_s == plan.time_per_minibatch_s else "NO"
+            extra = f" {omed:>8.3f} {same:>5}"
         print(f"{name:>14} {len(profile.layers):>6} {values:>6} {states:>6} {label:>8} {bws:>14} "
               f"{'yes' if straight else 'no':>8} {_fmt_wall(med, lo, hi):>24} {plan.time_per_minibatch_s:>16.6g} "
-              f"{plan.num_stages:>6} {plan.speedup_over_data_parallel:>8.3f}", flush=True)
+              f"{plan.num_stages:>6} {plan.speedup_over_data_parallel:>8.3f}" + extra, flush=True)
 
 
 def _header(extra: str = "") -> None:
@@ -136,7 +147,7 @@ import json, sys, time
 sys.path.insert(0, {root!r}); sys.path.insert(0, {bench!r})
 from bench_partitioner import skip_chain
 from partitioner import chain, partition
-chain.CHAIN_MIN_STATES = 10**12
+chain.SCALABLE = False
 p = skip_chain({layers}, {seed})
 t0 = time.perf_counter()
 plan = partition(p, {workers}, {bandwidth})
@@ -191,7 +202,7 @@ def _pipedream_rows(directories: list[Path], repeats: int) -> None:
             continue
         path = found[0]
         _rows(name, load_profile(path), [([32], [1e10], False), ([32], [1e9], False), ([4, 8], [1e11, 1e10], False)],
-              repeats)
+              repeats, old=True)
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5, help="runs per case; the median wall time is printed")
@@ -206,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--uncontracted", action="store_true",
                     help="also plan the n_layer-4 GPT with every value layer as a cut point (slow)")
     args = ap.parse_args(argv)
-    print("PipeDream's profiles")
-    _header()
+    print("PipeDream's profiles (old s: median wall time of the general path alone; same: same optimum)")
+    _header(f" {'old s':>8} {'same':>5}")
     _pipedream_rows(args.profiles, args.repeats)
     print()
     print("cluster scale: 8 GPUs x 16 nodes x 8 racks (and 8 x 8), old = the general path")

@@ -55,7 +55,7 @@ from profiler.profile import Profile
 from . import cost
 
 __all__ = ["ChainStates", "ChainSolution", "chain_states", "solve_chain", "plan_chain", "comparable_chain",
-           "flat_upper_plan", "CHAIN_MIN_STATES"]
+           "flat_upper_plan", "CHAIN_MIN_STATES", "SCALABLE"]
 
 _SLACK = 1e-9  # relative slack of the pruning bounds (they must never cut a plan the exact tests accept)
 
@@ -296,7 +296,12 @@ class _Chain:
             band_b = np.searchsorted(C, us * Tm, side="right").tolist()  # exclusive
         in_all = bool(ok_in.all())
         out_all = bool(ok_out.all())
+        # the most workers one stage takes: with nothing reachable for that long, nothing is reachable after
+        jump = N if relaxed else n1
+        last_live = 0
         for u in range(N):
+            if u - last_live > jump and not keep:
+                break
             qa, qb = band_a[u], band_b[u]
             R = plain[u]
             for l in self.arrive_lv[u]:
@@ -311,6 +316,7 @@ class _Chain:
             idx = np.flatnonzero(R)
             if len(idx) == 0:
                 continue
+            last_live = u
             if rep is not None and u % n1 == 0:
                 for l in range(2, self.L + 1):
                     Um = self.U[l - 1]
@@ -358,7 +364,8 @@ class _Chain:
         if top < lo:
             return
         qs = np.arange(lo, top + 1)
-        at = np.searchsorted(idx, qs, side="left") - 1  # the last start before q
+        nxt = np.minimum(np.append(idx[1:], top), top)
+        at = np.repeat(np.arange(len(idx)), np.maximum(nxt - idx, 0))  # the last start before q
         cov = pm[:, at] >= qs[None, :]
         if mask is not None:
             cov &= mask[: len(cov), lo: top + 1]
@@ -520,6 +527,10 @@ def _boundary_time(ch: _Chain, bounds: list[int], reps: list[int]) -> float:
 CHAIN_MIN_STATES = 256
 """Chains with at least this many states are planned here (smaller ones by the general path, as before)."""
 
+SCALABLE = True
+"""False switches this module's paths off (:func:`plan_chain` and :func:`flat_upper_plan` give None): the
+general path alone, for benchmarks."""
+
 _DENSE_BYTES = 2.0e9
 """Largest working memory (estimated) the general path is given when this path cannot decide."""
 
@@ -529,13 +540,15 @@ def plan_chain(profile: Profile, con, workers: Sequence[int], bandwidth: Sequenc
     """The plan of ``profile`` by :func:`solve_chain`, or None when the general path should plan it.
 
     ``con`` is ``contract(profile)`` (planning runs on its tensor layers). Returns None if the contracted
-    profile is no chain, has fewer than ``min_states`` states (default :data:`CHAIN_MIN_STATES`), or the search cannot decide and the general
-    path fits in memory; raises :class:`~partitioner.plan.PlanError` when no plan exists or the general path
-    would not fit either.
+    profile is no chain, has fewer than ``min_states`` states (default :data:`CHAIN_MIN_STATES`), or the
+    search cannot decide and the general path fits in memory; raises :class:`~partitioner.plan.PlanError`
+    when no plan exists or the general path would not fit either.
     """
     from .contract import place_values
     from .plan import Plan, PlanError, aligned_ranks
 
+    if not SCALABLE:
+        return None
     if min_states is None:
         min_states = CHAIN_MIN_STATES
     cs = chain_states(con.profile)
@@ -629,7 +642,7 @@ def flat_upper_plan(states, workers: int, bandwidth: float, straight: bool
                     ) -> tuple[list[int], list[int]] | None:
     """An optimal plan among those cutting only at states comparable with all others (see
     :func:`comparable_chain`), as (last state of each stage, replicas), or None if there is none."""
-    found = comparable_chain(states)
+    found = comparable_chain(states) if SCALABLE else None
     if found is None:
         return None
     cs, index = found
