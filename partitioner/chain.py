@@ -641,8 +641,11 @@ def comparable_chain(states) -> tuple[ChainStates, np.ndarray] | None:
 def flat_upper_plan(states, workers: int, bandwidth: float, straight: bool
                     ) -> tuple[list[int], list[int]] | None:
     """An optimal plan among those cutting only at states comparable with all others (see
-    :func:`comparable_chain`), as (last state of each stage, replicas), or None if there is none."""
-    found = comparable_chain(states) if SCALABLE else None
+    :func:`comparable_chain`), as (last state of each stage, replicas), or None if there is none or the
+    profile has fewer than :data:`CHAIN_MIN_STATES` states."""
+    if not SCALABLE or states.num_states < CHAIN_MIN_STATES:  # small: the general search is quick anyway
+        return None
+    found = comparable_chain(states)
     if found is None:
         return None
     cs, index = found

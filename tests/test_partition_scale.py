@@ -179,6 +179,47 @@ def test_search_from_any_upper_plan_is_exact(seed):
     prob = flat_problem(states, M, 1e9, False, None)
     want = exhaustive_level(prob)
     upper = flat_upper_plan(states, M, 1e9, False)
-    assert solve_level(prob, 0.0, upper).time_s == pytest.approx(want, rel=1e-12)
+    assert upper is None  # small profiles: the general search alone
+    found = comparable_chain(states)
+    if found is not None:
+        cs, index = found
+        sol = solve_chain(cs, [M], [1e9])
+        upper = ([int(index[q - 1]) for q in sol.bounds[1:]], sol.replicas)
+        assert solve_level(prob, 0.0, upper).time_s == pytest.approx(want, rel=1e-12)
     # a poor upper plan (one stage on every worker) leads to the same optimum
     assert solve_level(prob, 0.0, ([states.num_states - 1], [M])).time_s == pytest.approx(want, rel=1e-12)
+
+
+def _blocks_with_branches(rng: random.Random, blocks: int) -> Profile:
+    """ResNet-like: blocks of 3 layers with a residual edge, every 4th block with a 1-layer side branch."""
+    layers = [Layer("in", "Input", 0.0, 0.0, 1e6, 0.0)]
+    edges = []
+    prev = 0
+    for b in range(blocks):
+        start = len(layers)
+        for i in range(3):
+            f = rng.uniform(0.1, 3.0)
+            layers.append(Layer(f"b{b}.{i}", "Conv2d", f, 2 * f, float(rng.randrange(1, 10**7)),
+                                float(rng.randrange(0, 10**7))))
+            edges.append((len(layers) - 2 if i else prev, len(layers) - 1))
+        if b % 4 == 0:
+            layers.append(Layer(f"b{b}.side", "Conv2d", 0.5, 1.0, 1e6, 1e5))
+            edges.append((prev, len(layers) - 1))
+        layers.append(Layer(f"b{b}.add", "Add", 0.01, 0.01, float(rng.randrange(1, 10**7)), 0.0))
+        edges += [(start + 2, len(layers) - 1), (prev if b % 4 else len(layers) - 2, len(layers) - 1)]
+        prev = len(layers) - 1
+    return Profile(tuple(layers), tuple(sorted(set(edges))))
+
+
+@pytest.mark.parametrize("workers,bandwidth", [(8, 1e9), (32, 1e10), (13, 1e8)])
+def test_upper_plan_on_a_large_dag_keeps_the_optimum(workers, bandwidth, monkeypatch):
+    from partitioner import chain
+
+    prof = _blocks_with_branches(random.Random(workers), 80)
+    states = linearize(prof)
+    assert states.num_states >= chain.CHAIN_MIN_STATES and chain_states(prof) is None  # a DAG, not a chain
+    assert flat_upper_plan(states, workers, bandwidth, False) is not None
+    fast = partition(prof, workers, bandwidth)
+    monkeypatch.setattr(chain, "SCALABLE", False)
+    general = partition(prof, workers, bandwidth)
+    assert fast.time_per_minibatch_s == general.time_per_minibatch_s
