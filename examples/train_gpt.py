@@ -8,10 +8,9 @@ The flow, on one machine with 4 CPU processes::
 
 ``examples.gpt:gpt`` is the default size (4 layers, 4 heads, width 128, 256 byte tokens, positions up to 128:
 0.8 M parameters); ``--input-shape 64`` is the context length ``T`` of the token-id input ``(B, T)`` and
-should match ``--block-size``. ``--straight`` keeps one worker per stage: the token embedding (first stage)
-and the language-model head (last stage) share one weight, and the runtime wants the stages holding a tied
-weight to have equal replica counts (without ``--straight`` the partitioner may replicate the first stage only,
-which the runtime refuses with one line). Add ``--ckpt DIR --ckpt-every N`` for durable checkpoints; the script
+should match ``--block-size``. ``--straight`` keeps one worker per stage. Without it the partitioner may
+replicate stages, but never the ones holding part of a tied weight (here the token embedding in the first
+stage and the language-model head in the last): those exchange the weight's gradients replica by replica. Add ``--ckpt DIR --ckpt-every N`` for durable checkpoints; the script
 runs under ``pipedream_ft.launch``, so a killed worker (``PIPEDREAM_FT_FAULTS="kill@rank=2,step=150"`` injects
 one) is replaced in place and every rank goes on from the newest memory-tier cut (every 8 minibatches), the
 others keeping their processes; ``--max-restarts R`` is left for what cannot be recovered in place. The

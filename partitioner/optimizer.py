@@ -4,7 +4,10 @@ The problem (Narayanan et al., SOSP'19, §3.1): cut the model's antichain states
 :mod:`partitioner.antichain`) into a chain of stages ``(start, j_1], (j_1, j_2], ..., (j_{n-1}, last]``, give
 stage ``s`` ``r_s >= 1`` replicas with ``Σ r_s`` equal to the level's worker count ``M`` (every worker is
 used, as in PipeDream without ``--use_fewer_machines``), and minimise the slowest stage's time under the
-cost model of :mod:`partitioner.cost`. ``straight=True`` forces ``r_s = 1`` (so exactly ``M`` stages).
+cost model of :mod:`partitioner.cost`. ``straight=True`` forces ``r_s = 1`` (so exactly ``M`` stages). A stage
+that holds some but not all layers of a tied group gets ``r_s = 1``: the holders of a tied parameter exchange
+its gradients replica by replica, so the runtime needs equal replica counts on them (the optimum is exact
+under that rule; a hierarchy whose inner levels would still replicate a holder is planned straight).
 
 PipeDream evaluates ``A[j][m] = min_{k, m'} max(A[k][m-m'], t(k, j, m'))`` directly, ``O(S² M²)`` per level
 (``O(S³ M²)`` for inner levels). The outermost level is solved here by searching the optimum value instead:
@@ -74,6 +77,16 @@ class LevelProblem:
     """``P + A`` of the first stage ``(start, j]`` (per place from the end); None: no memory limit."""
     pair_memory: np.ndarray | None = None
     memory_bytes: float | None = None
+    first_single: np.ndarray | None = None
+    """Ranges ``(start, j]`` that may not be replicated (they hold part of a tied group); None: any may be."""
+    pair_single: np.ndarray | None = None
+    """The same for the ranges ``(k, j]``."""
+
+    def replicable_first(self, j):
+        return True if self.first_single is None else ~np.asarray(self.first_single)[j]
+
+    def replicable_pair(self, k, j):
+        return True if self.pair_single is None else ~np.asarray(self.pair_single)[k, j]
 
     @property
     def num_states(self) -> int:
@@ -138,9 +151,11 @@ class _Search:
         # per-probe replica counts come from T r^2 - (C + D) r + D >= 0 and r >= 2 X / (B T): keep what is fixed
         with np.errstate(invalid="ignore", over="ignore"):
             b = self.C + self.D
-            self._pair_root = (b, b * b, self.D, 2.0 * self.X / bw, np.ones(len(b), bool))
+            rep = np.ones(len(b), bool) if prob.pair_single is None else ~np.asarray(prob.pair_single)[kk, jj]
+            self._pair_root = (b, b * b, self.D, 2.0 * self.X / bw, rep)
             b0 = self.C0 + self.D0
-            self._first_root = (b0, b0 * b0, self.D0, None, self.valid0)
+            rep0 = self.valid0 if prob.first_single is None else self.valid0 & ~np.asarray(prob.first_single)
+            self._first_root = (b0, b0 * b0, self.D0, None, rep0)
         if prob.pair_memory is not None:
             lim = float(prob.memory_bytes)
             self.dmax = self._depth_limit(np.asarray(prob.pair_memory, float)[kk, jj], lim)
@@ -170,7 +185,7 @@ class _Search:
     def _rho(self, T: float, root, time_fn) -> np.ndarray:
         """Smallest ``r >= 2`` with ``time(r) <= T`` (``M + 1`` if none), exact w.r.t. ``time_fn``.
 
-        ``root`` holds ``(b, b², D, 2X/B or None, valid)`` with ``b = C + D``. The closed form gives the answer
+        ``root`` holds ``(b, b², D, 2X/B or None, replicable)`` with ``b = C + D``. The closed form gives the answer
         up to rounding; the counts whose estimate lies within a relative 1e-6 of a whole number are settled by
         evaluating the cost formula itself.
         """
@@ -415,8 +430,8 @@ def solve_level(prob: LevelProblem, lower_bound: float = 0.0,
     with np.errstate(invalid="ignore"):
         cands = [search.t1, search.t01]
         if prob.workers >= 2 and not prob.straight:
-            cands.append(search.pair_time(2))
-            cands.append(np.where(search.valid0, search.first_time(2), _INF))
+            cands.append(np.where(search._pair_root[4], search.pair_time(2), _INF))
+            cands.append(np.where(search._first_root[4], search.first_time(2), _INF))
     vals = np.concatenate([np.ravel(c) for c in cands])
     vals = vals[np.isfinite(vals)]
     if len(vals) == 0:
@@ -481,7 +496,9 @@ def exhaustive_level(prob: LevelProblem) -> float | None:
                     continue
             elif not np.isfinite(prob.pair_compute[prev, j]):
                 continue
-            for r in ([1] if prob.straight else range(1, M - used + 1)):
+            single = prob.straight or not (prob.replicable_first(j) if prev is None
+                                           else prob.replicable_pair(prev, j))
+            for r in ([1] if single else range(1, M - used + 1)):
                 if used + r > M:
                     continue
                 t = float(prob.first_time(j, r) if prev is None else prob.pair_time(prev, j, r))
@@ -645,6 +662,32 @@ def _tied_terms(states: AntichainStates, bandwidth: float) -> tuple[np.ndarray, 
     return np.where(valid, extra_c, 0.0), np.where(valid, extra_p, 0.0)
 
 
+def _unequal_tied_holders(profile: Profile, stage_layers: Sequence[Sequence[int]], replicas: Sequence[int]) -> bool:
+    """Whether the stages holding a tied group (some of its layers) have different replica counts."""
+    stage_of = {i: s for s, layers in enumerate(stage_layers) for i in layers}
+    for g in profile.tied:
+        holders = {stage_of[i] for i in g.layers if i in stage_of}
+        if len(holders) > 1 and len({replicas[h] for h in holders}) > 1:
+            return True
+    return False
+
+
+def _tied_split(states: AntichainStates) -> np.ndarray | None:
+    """Ranges (as :func:`_ranges`) that hold some but not all layers of a tied group: their stage is a *holder*
+    that exchanges the group's gradients with the other holders replica by replica, so it is planned with one
+    replica (the runtime needs equal replica counts on all holders; one is the count every holder can have).
+    None when the profile has no tied groups."""
+    if len(states.tied_bytes) == 0:
+        return None
+    S = states.num_states
+    split = np.zeros((S + 1, S), dtype=bool)
+    for g in range(len(states.tied_bytes)):
+        cnt = np.concatenate([[0], states.tied_counts[g]])
+        held = cnt[None, 1:] - cnt[:, None]
+        split |= (held > 0) & (held < states.tied_sizes[g])
+    return split
+
+
 def _with_tied(states: AntichainStates, bandwidth: float, CM: np.ndarray, PMx: np.ndarray, *, sync: bool = True
                ) -> tuple[np.ndarray, np.ndarray]:
     """``CM``/``PMx`` plus the tied-group copies and, with ``sync``, the sync time at ``bandwidth``."""
@@ -678,6 +721,9 @@ def flat_problem(states: AntichainStates, workers: int, bandwidth: float, straig
     out = states.output_bytes if fold is None else fold.out_bytes(states.output_bytes)
     prob = LevelProblem(CMt[0].copy(), PMt[0].copy(), CMt[1:], PMt[1:], out, workers,
                         bandwidth if fold is None else fold.bandwidth, 1, straight)
+    split = _tied_split(states)
+    if split is not None:
+        prob.first_single, prob.pair_single = split[0].copy(), split[1:]
     if memory_bytes is not None:
         prob.first_memory = PMx[0] + A
         prob.pair_memory = np.where(prec, PMx[1:] + (A[None, :] - A[:, None]), 0.0)
@@ -878,12 +924,22 @@ def partition(profile: Profile, workers: int | Sequence[int] | None,
     for i, s in enumerate(stage_of_all):
         stage_layers[s].append(i)
     settings["stages_per_level"] = per_level[::-1]
+    replicas = [m for _, _, m, _, _ in ranges]
+    if not straight and _unequal_tied_holders(profile, stage_layers, replicas):
+        # the outermost level plans holders with one replica; an inner level may still have replicated one:
+        # plan the hierarchy without replication, which the runtime can always run
+        assert len(workers) > 1, "a one-level plan replicated a tied holder"
+        try:
+            return partition(profile, workers, bandwidth, straight=True, memory_bytes=memory_bytes, machine=machine)
+        except PlanError as exc:
+            raise PlanError(f"the stages holding a tied parameter need equal replica counts, which this hierarchy's "
+                            f"best plan does not give them, and without replication: {exc}") from None
     predicted = sol.time_s
     if machine is not None:
         predicted = _contended(profile, machine, workers, sol.time_s, stage_layers, settings)
     return Plan.from_stages(
         stage_layers,
-        [m for _, _, m, _, _ in ranges],
+        replicas,
         profile_hash=profile.structure_hash(),
         layer_names=names,
         stage_times_s=[t for _, _, _, t, _ in ranges],

@@ -100,18 +100,37 @@ def _join(settings: ProbeSettings) -> Any:
         raise CliError(f"rank {env.rank}: cannot reach rank 0's store at {env.master_addr}:{env.master_port} "
                        f"within {settings.timeout_s:g} s ({type(exc).__name__})") from None
     ns = dist.PrefixStore(f"pipedream_ft/{env.run_id}/probe/{env.restart_count}/", store)
-    ns.set(f"arrived/{env.rank}", "1")
-    deadline = time.monotonic() + settings.timeout_s
+    hosts_store = env.rank == 0 and not env.use_agent_store
     missing = list(range(env.world_size))
-    while True:
-        missing = [r for r in missing if not ns.check([f"arrived/{r}"])]
-        if not missing:
-            break
-        if time.monotonic() > deadline:
-            names = ", ".join(map(str, missing))
-            raise CliError(f"rank {env.rank}: no answer from rank{'s' if len(missing) > 1 else ''} {names} "
-                           f"within {settings.timeout_s:g} s")
-        time.sleep(0.01)
+    verdict: str | None = None
+    try:
+        ns.set(f"arrived/{env.rank}", "1")
+        deadline = time.monotonic() + settings.timeout_s
+        while True:
+            if ns.check(["verdict"]):  # another rank gave up first: fail with its words, the same everywhere
+                verdict = ns.get("verdict").decode()
+                break
+            missing = [r for r in missing if not ns.check([f"arrived/{r}"])]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                names = ", ".join(map(str, missing))
+                mine = f"no answer from rank{'s' if len(missing) > 1 else ''} {names} within {settings.timeout_s:g} s"
+                verdict = ns.compare_set("verdict", "", mine).decode()  # the first rank to give up decides
+                break
+            time.sleep(0.01)
+    except Exception:  # the store's host gave up (and left) while this rank was still waiting
+        names = ", ".join(map(str, missing))
+        raise CliError(f"rank {env.rank}: no answer from rank{'s' if len(missing) > 1 else ''} {names} "
+                       f"within {settings.timeout_s:g} s") from None
+    if verdict is not None:
+        ns.set(f"read_verdict/{env.rank}", "1")
+        if hosts_store:  # keep the store up until every rank that came has read the verdict (bounded)
+            came = [r for r in range(env.world_size) if r != env.rank and ns.check([f"arrived/{r}"])]
+            linger = time.monotonic() + min(settings.timeout_s, 10.0)
+            while time.monotonic() < linger and not all(ns.check([f"read_verdict/{r}"]) for r in came):
+                time.sleep(0.01)
+        raise CliError(f"rank {env.rank}: {verdict}")
     try:
         init_distributed(env, backend=settings.backend, timeout_s=settings.timeout_s)
     except Exception as exc:

@@ -213,3 +213,54 @@ def test_replica_counts_are_exact_at_every_threshold(seed):
             # counts above the least one must fit too (time is non-increasing in r >= 2)
             assert np.array_equal(got, want), (T, got, want)
         assert np.array_equal(ok1, times[0] <= T) and np.array_equal(ok01, firsts[0] <= T)
+
+
+def _holder_replicas(profile: Profile, plan) -> list[set[int]]:
+    stage_of = plan.layer_to_stage
+    out = []
+    for g in profile.tied:
+        holders = {stage_of[i] for i in g.layers}
+        if len(holders) > 1:
+            out.append({plan.stages[s].replicas for s in holders})
+    return out
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_tied_holders_are_planned_with_equal_replicas_and_the_search_stays_exact(seed):
+    """Stages that hold part of a tied group exchange its gradients replica by replica, so the runtime needs
+    equal replica counts on them: the search plans them unreplicated, and is still the exact optimum of that
+    problem (brute force over every chain and replica split that respects it)."""
+    from profiler.profile import TiedGroup
+
+    import dataclasses
+
+    rng = random.Random(5000 + seed)
+    n = rng.randint(3, 7)
+    M = rng.randint(3, 6)
+    bw = rng.choice([1e9, 1e10])
+    base = random_profile(rng, n, dag=seed % 2 == 1)
+    layers = list(base.layers)  # a heavy first layer with a light tied weight: replicating it would pay
+    layers[0] = dataclasses.replace(layers[0], forward_ms=layers[0].forward_ms * 8 + 5, parameter_bytes=1e3)
+    a, b = (0, n - 1) if seed % 3 else sorted(rng.sample(range(n), 2))
+    profile = Profile(tuple(layers), base.edges, base.meta, (TiedGroup("w", 1e3 * rng.randint(1, 100), (a, b)),))
+    plan = partition(profile, [M], [bw])
+    assert plan.world_size == M
+    assert all(reps == {1} for reps in _holder_replicas(profile, plan)), plan.stages
+    prob = flat_problem(linearize(profile), M, bw, False, None)
+    assert prob.pair_single is not None
+    assert plan.time_per_minibatch_s == pytest.approx(exhaustive_level(prob), rel=1e-12)
+    untied = Profile(tuple(layers), base.edges, base.meta, ())
+    assert plan.time_per_minibatch_s >= partition(untied, [M], [bw]).time_per_minibatch_s * (1 - 1e-12)
+
+
+def test_hierarchical_plans_with_tied_groups_keep_holders_runnable():
+    from profiler.profile import TiedGroup
+
+    rng = random.Random(7)
+    for trial in range(10):
+        n = rng.randint(4, 8)
+        base = random_profile(rng, n, dag=False)
+        profile = Profile(base.layers, base.edges, base.meta, (TiedGroup("w", 4e6, (0, n - 1)),))
+        plan = partition(profile, [2, 2], [1e10, 1e9])
+        assert plan.world_size == 4
+        assert all(len(reps) == 1 for reps in _holder_replicas(profile, plan)), plan.stages

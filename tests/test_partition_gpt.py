@@ -44,6 +44,9 @@ def test_plans_only_send_counted_tensors(gpt4, workers, straight):
     plan = partition(profile, workers, 1e9, straight=straight)
     assert plan.world_size == workers
     assert plan.recompute == tuple(i for i, l in enumerate(profile.layers) if l.kind == "value")
+    (group,) = profile.tied  # the embedding's holders exchange gradients replica by replica: equal counts
+    holders = {plan.layer_to_stage[i] for i in group.layers}
+    assert len({plan.stages[s].replicas for s in holders}) == 1, plan.stages
     model.eval()
     crossings = run_stages(model, idx, profile, plan)
     check_counted(profile, plan, crossings)
