@@ -79,10 +79,12 @@ LOCAL_CASES = {
 }
 
 
-def assert_redone_within_bound(resumed: int, failed_at: int, log: str = "") -> None:
+def assert_redone_within_bound(resumed: int | None, failed_at: int, log: str = "") -> None:
     """Resumed from a checkpoint at most the interval plus the pipeline depth before the failure (the newest
-    one, unless the failure hit while it was still being written: then the one before). A checkpoint the policy
-    deferred (storage behind) is taken at a later cut, so cuts need not be multiples of the interval."""
+    one, unless the failure hit while it was still being written: then the one before, which for a failure
+    in the second interval is the start: ``None``, nothing to resume). A checkpoint the policy deferred
+    (storage behind) is taken at a later cut, so cuts need not be multiples of the interval."""
+    resumed = 0 if resumed is None else resumed
     assert resumed <= failed_at, (resumed, log[-6000:])
     newest_possible = failed_at - failed_at % EVERY
     assert resumed >= newest_possible - EVERY, (resumed, failed_at, log[-6000:])

@@ -444,6 +444,7 @@ class Executor:
         self._inflight.clear()
         self._act_recv.clear()
         self.cuts.clear()
+        self.state.drop_gradients()  # of a backward whose update will never come
         self.stop_at = None
         if self.state.tied:
             self.state.tied.release()

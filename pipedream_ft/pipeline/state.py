@@ -117,6 +117,7 @@ class StageState:
                 f"checkpoint part is for stage {state.get('stage')} replica {state.get('replica')}, "
                 f"not stage {self.stage} replica {self.replica}"
             )
+        self.drop_gradients()
         self.module.load_state_dict(state["model"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -140,6 +141,7 @@ class StageState:
         stages' ``parts``. The pipeline restarts at the first minibatch ``>= cut`` that is a multiple of
         ``window``; returns it. ``updates_per_round``: minibatches per update on this stage."""
         merged = merge_parts(parts, self.param_names, list(self.module.state_dict()))
+        self.drop_gradients()
         self.module.load_state_dict(merged["model"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(merged["optimizer"])
@@ -156,6 +158,12 @@ class StageState:
         for name, c in self.components.items():
             c.reshard([p.get("components", {}).get(name) for p in parts])
         return start
+
+    def drop_gradients(self) -> None:
+        """Forget every gradient accumulated into the parameters (tied ones included): a rollback must not carry
+        the gradient of a minibatch whose update never happened into the redone one."""
+        for p in self.all_params:
+            p.grad = None
 
     def _load_extra(self, parts: Sequence[dict[str, Any]]) -> None:
         for name, obj in self.extra.items():
