@@ -125,7 +125,8 @@ def test_random_dags_with_values_and_ties_are_exact(seed):
 
 
 def _tied_chain_exhaustive(p: Profile, M: int, bw: float, straight: bool, memory: float | None) -> float | None:
-    """Every split of a chain and replica split, priced from layer sums with the tied-group terms of cost.py."""
+    """Every split of a chain and replica split, priced from layer sums with the tied-group terms of cost.py
+    (a stage holding part of a tied group has one replica)."""
     import itertools
 
     n = len(p.layers)
@@ -149,6 +150,7 @@ def _tied_chain_exhaustive(p: Profile, M: int, bw: float, straight: bool, memory
                         inside = [i for i in g.layers if a <= i < b]
                         if 0 < len(inside) < len(g.layers):
                             C += 2 * g.bytes / bw
+                            ok = ok and r == 1  # a holder of a split group runs unreplicated
                         if inside and g.layers[0] not in inside:
                             P += g.bytes
                     if memory is not None and (k - s) * (P + sum(act[a:b])) > memory:
