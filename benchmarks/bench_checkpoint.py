@@ -9,12 +9,11 @@ default), split evenly into ``--stages`` pipeline stages, each on its own spawne
 one thread each). Every run trains ``--minibatches`` minibatches from scratch with a fresh checkpoint location:
 
 - ``none``: a checkpoint configuration whose policy is ``Never()`` (the checkpointer is there, nothing is saved);
-- ``local``: ``EveryNSteps(--every)`` to a directory on local disk, through pipedream-ft's writer, called as the
-  runtime should call it once it adopts the new API: the weight versions marked ``immutable(...)``, the live
-  parameters given as the newest version's tensors (equal right after an update), and the policy told
-  ``busy=writer.backlog > 0`` (a due checkpoint is deferred while the previous one is not committed) and fed the
-  measured costs (``observe(blocking_s=, persist_s=, persist_cpu_s=, commit_s=)``); the benchmark does this
-  wiring by wrapping ``writer.save`` and the policy, the runtime itself is not touched;
+- ``local``: ``EveryNSteps(--every)`` to a directory on local disk, through the runtime's own checkpointer: the
+  weight versions and the live parameters (the newest version's tensors) referenced, not copied, a due
+  checkpoint deferred while the previous one is not committed, and the policy fed the measured costs; the
+  benchmark wraps ``writer.save`` only to record each save's handle (and passes the writer's backlog to the
+  policy as well, which the runtime already does);
 - ``dcp`` (the peer): the same cuts and the same state, saved with ``torch.distributed.checkpoint.async_save``
   (``FileSystemWriter`` on the same disk, ``no_dist=True``: one checkpoint directory per stage and step;
   deferred like ``local`` while the previous save of the stage is not finished);
