@@ -8,7 +8,7 @@ import sys
 from typing import Any, Callable
 
 __all__ = ["EXIT_PREEMPTED", "EXIT_RECOVERY_FAILED", "EXIT_REPLAN", "EXIT_RUNTIME", "EXIT_SETUP", "JobError",
-           "PipelineError", "PipelineSetupError", "exit_on_error", "run_reporting_errors"]
+           "PipelineError", "PipelineSetupError", "exit_on_error", "run_reporting_errors", "say"]
 
 
 class PipelineError(RuntimeError):
@@ -37,6 +37,22 @@ EXIT_REPLAN = 5
 """Exit status at a re-planning cut: the processes start again on the new plan (see :mod:`pipedream_ft.ft.replan`)."""
 
 
+def say(line: str, stream: Any = None) -> None:
+    """Write ``line`` and its newline to ``stream`` (default stderr) in one system call, so that the lines of
+    ranks sharing one terminal or pipe (torchrun's workers) never interleave within a line."""
+    stream = sys.stderr if stream is None else stream
+    data = (line + "\n").encode(errors="replace")
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (a test's capture): the stream's own write
+        stream.write(line + "\n")
+        stream.flush()
+        return
+    stream.flush()
+    while data:
+        data = data[os.write(fd, data):]
+
+
 def run_reporting_errors(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[int, Any]:
     """Call ``fn``; return ``(0, its result)``, or ``(exit status, None)`` after printing one line for a known error.
 
@@ -58,10 +74,10 @@ def run_reporting_errors(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> t
         return 0, fn(*args, **kwargs)
     except (PipelineSetupError, PlanError, ProfileError, ShapeMismatchError, CheckpointError) as exc:
         if rank == "0":
-            print(f"pipedream-ft: error: {exc}", file=sys.stderr, flush=True)
+            say(f"pipedream-ft: error: {exc}")
         return EXIT_SETUP, None
     except (PipelineError, PeerTimeoutError) as exc:
-        print(f"pipedream-ft: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        say(f"pipedream-ft: rank {rank}: {exc}")
         if isinstance(exc, Preempted):
             return EXIT_PREEMPTED, None
         if isinstance(exc, RecoveryFailed):

@@ -42,7 +42,7 @@ from profiler.profile import Profile
 
 from .checkpoint import Storage
 from .env import DistEnv, read_env
-from .errors import JobError, PipelineSetupError
+from .errors import JobError, PipelineSetupError, say
 from .checkpoint import CheckpointError
 from .ft.checkpointer import CheckpointConfig, Checkpointer, plan_hash
 from .ft.coordination import LiveGroup
@@ -216,8 +216,8 @@ class PipelineTrainer:
             replanned = load_replanned(Storage(checkpoint.url, checkpoint.storage_options), plan,
                                        lambda p: plan_hash(p, self.mode))
             if replanned is not plan and env.rank == 0:
-                print(f"pipedream-ft: the job re-planned {describe_plan(plan)} into {describe_plan(replanned)}; "
-                      "continuing on it", flush=True)
+                say(f"pipedream-ft: the job re-planned {describe_plan(plan)} into {describe_plan(replanned)}; "
+                    "continuing on it", sys.stdout)
             plan = replanned
         plan.check_fits(profile_hash=model_hash, num_layers=len(ml.names), world_size=env.world_size)
         self.plan = plan
@@ -313,7 +313,7 @@ class PipelineTrainer:
             msg = (f"world size {self.env.world_size} differs from the plan's {plan.world_size}: re-planned from "
                    f"{describe_plan(plan)} to {describe_plan(new)}")
             log.warning(msg)
-            print(f"pipedream-ft: {msg}", flush=True)
+            say(f"pipedream-ft: {msg}", sys.stdout)
         return new
 
     def _start(self) -> int | None:
@@ -382,7 +382,7 @@ class PipelineTrainer:
                f"{', '.join(f'{measured[s] * 1000:.1f}' for s in sorted(measured))} ms per minibatch; "
                f"{describe_plan(self.plan)} -> {describe_plan(new)}, predicted {gain:.0%} faster")
         log.warning(msg)
-        print(f"pipedream-ft: {msg}", flush=True)
+        say(f"pipedream-ft: {msg}", sys.stdout)
         return True
 
     def _make_group(self, store: Any) -> CommGroup:
@@ -458,7 +458,7 @@ class PipelineTrainer:
         assert self.membership is not None and self.ckpt is not None
         record: dict[str, Any] = {"failed": time.time(), "epoch": self.membership.epoch}
         self.recoveries.append(record)
-        print(f"pipedream-ft: rank {self.env.rank}: {failure}; recovering in place", file=sys.stderr, flush=True)
+        say(f"pipedream-ft: rank {self.env.rank}: {failure}; recovering in place")
         self.hooks.on_event("failure", reason=failure, epoch=self.membership.epoch)
         self.membership.report_failure()
         self._release()
@@ -480,9 +480,9 @@ class PipelineTrainer:
                     record["restored"] - record["failed"], formed.epoch, formed.cut)
         if self.env.rank == 0:
             replaced = sorted(r for r, rec in formed.records.items() if rec["incarnation"] > 0)
-            print(f"pipedream-ft: recovered in place in {record['restored'] - record['failed']:.2f}s "
-                  f"(epoch {formed.epoch}; processes replaced so far: ranks {replaced}); continuing from "
-                  f"checkpoint {formed.cut}", flush=True)
+            say(f"pipedream-ft: recovered in place in {record['restored'] - record['failed']:.2f}s "
+                f"(epoch {formed.epoch}; processes replaced so far: ranks {replaced}); continuing from "
+                f"checkpoint {formed.cut}", sys.stdout)
 
     def _add_observers(self) -> None:
         config, env, topo = self.config, self.env, self.topo
@@ -525,8 +525,8 @@ class PipelineTrainer:
                 if reached is not None else ""
             log.warning("attempt %d resumes from committed checkpoint at minibatch %d (update %d)%s",
                         self.env.restart_count, self.position, self.state.versions.current.updates, redone)
-            print(f"pipedream-ft: resumed from checkpoint {self.position} (attempt {self.env.restart_count})"
-                  + (f"; redoing {self.redone} minibatches" if reached is not None else ""), flush=True)
+            say(f"pipedream-ft: resumed from checkpoint {self.position} (attempt {self.env.restart_count})"
+                + (f"; redoing {self.redone} minibatches" if reached is not None else ""), sys.stdout)
 
     # -- views ----------------------------------------------------------------------------------------------
 

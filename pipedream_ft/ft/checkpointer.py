@@ -36,6 +36,7 @@ import json
 import logging
 import re
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -51,7 +52,7 @@ from ..checkpoint.storage import Buffers
 from ..checkpoint.tiers import Tier
 from ..checkpoint.snapshot import immutable
 from ..checkpoint.tiers import TierWriter
-from ..errors import PipelineError, PipelineSetupError
+from ..errors import PipelineError, PipelineSetupError, say
 from ..pipeline.executor import CUT, DURABLE, REPLAN, STOP
 from ..pipeline.group import CommGroup
 from ..pipeline.hooks import Hooks
@@ -393,7 +394,7 @@ class Checkpointer:
                    f"{record.metadata.get('world_size')} workers; resharded into "
                    f"{topo.num_stages} stages on {topo.world_size} workers")
             log.warning(msg)
-            print(f"pipedream-ft: {msg}", flush=True)
+            say(f"pipedream-ft: {msg}", sys.stdout)
         return start
 
     # -- deciding (stage 0) ---------------------------------------------------------------------------------

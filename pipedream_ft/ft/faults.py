@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..errors import say
 from ..pipeline.hooks import Hooks
 from ..pipeline.schedule import Action
 
@@ -120,7 +122,7 @@ class FaultInjector(Hooks):
         f = self._take(("kill", "exception", "hang", "term"), step)
         if f is None:
             return
-        print(f"pipedream-ft: rank {self.rank}: injecting fault {f}", flush=True)
+        say(f"pipedream-ft: rank {self.rank}: injecting fault {f}", sys.stdout)
         if f.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif f.kind == "exception":
@@ -167,7 +169,7 @@ class FaultInjector(Hooks):
         f = next((f for f in self._mine if f.kind == "rejoin" and f.attempt == attempt), None)
         if f is not None:
             self._mine.remove(f)
-            print(f"pipedream-ft: rank {self.rank}: injecting fault {f}", flush=True)
+            say(f"pipedream-ft: rank {self.rank}: injecting fault {f}", sys.stdout)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def wrap_part_write(self, write: Callable[[str, bytes], Any]) -> Callable[[str, bytes], Any]:
@@ -179,7 +181,7 @@ class FaultInjector(Hooks):
         def crashing_write(rel: str, data: bytes) -> Any:
             step = _step_of(rel)
             if step is not None and rel.endswith(".pt") and any(step >= f.step for f in targets):
-                print(f"pipedream-ft: rank {self.rank}: injecting fault ckpt_crash while writing {rel}", flush=True)
+                say(f"pipedream-ft: rank {self.rank}: injecting fault ckpt_crash while writing {rel}", sys.stdout)
                 write(rel + ".partial", data[: len(data) // 2])
                 os.kill(os.getpid(), signal.SIGKILL)
             return write(rel, data)
@@ -191,7 +193,7 @@ class FaultInjector(Hooks):
         f = self._take(("corrupt",), step)
         if f is None:
             return
-        print(f"pipedream-ft: rank {self.rank}: injecting fault {f} into checkpoint {step}", flush=True)
+        say(f"pipedream-ft: rank {self.rank}: injecting fault {f} into checkpoint {step}", sys.stdout)
         corrupt()
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -27,7 +27,7 @@ from types import FrameType
 from typing import Callable
 
 from ..env import DistEnv
-from ..errors import EXIT_RECOVERY_FAILED, EXIT_REPLAN, EXIT_SETUP
+from ..errors import EXIT_RECOVERY_FAILED, EXIT_REPLAN, EXIT_SETUP, say
 from .coordination import LiveGroup, base_store
 
 __all__ = ["Supervisor"]
@@ -82,18 +82,18 @@ class Supervisor:
                     continue
                 live = self._live_group()
                 if live is None:
-                    print(f"pipedream-ft: rank {self.env.rank}: the training process died ({_describe(code)}) before "
-                          "joining its group; a full restart is needed", file=sys.stderr, flush=True)
+                    say(f"pipedream-ft: rank {self.env.rank}: the training process died ({_describe(code)}) before "
+                        "joining its group; a full restart is needed")
                     return code if code > 0 else 128 - code
                 if incarnation >= self.max_replacements:
-                    print(f"pipedream-ft: rank {self.env.rank}: the training process died ({_describe(code)}) and "
-                          f"{self.max_replacements} replacements are used up", file=sys.stderr, flush=True)
+                    say(f"pipedream-ft: rank {self.env.rank}: the training process died ({_describe(code)}) and "
+                        f"{self.max_replacements} replacements are used up")
                     return code if code > 0 else 128 - code
                 live.report_failure(live.epoch_of(self.env.rank))
                 incarnation += 1
                 live.announce_replacement(self.env.rank, incarnation)
-                print(f"pipedream-ft: rank {self.env.rank}: training process died ({_describe(code)}); starting "
-                      f"replacement {incarnation}", file=sys.stderr, flush=True)
+                say(f"pipedream-ft: rank {self.env.rank}: training process died ({_describe(code)}); starting "
+                    f"replacement {incarnation}")
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

@@ -12,11 +12,11 @@ each beat also refreshes that file, so a Kubernetes liveness probe can restart a
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from typing import Any, Callable
 
+from ..errors import say
 from ..pipeline.hooks import Hooks
 from ..pipeline.schedule import Action
 
@@ -74,8 +74,7 @@ class Watchdog:
                 self._on_timeout(f"no progress for {self.timeout_s:.0f}s while {self._what}")
 
     def _exit(self, message: str) -> None:
-        print(f"pipedream-ft: rank {self.rank}: watchdog: {message}; exiting so the group restarts",
-              file=sys.stderr, flush=True)
+        say(f"pipedream-ft: rank {self.rank}: watchdog: {message}; exiting so the group restarts")
         os._exit(WATCHDOG_EXIT_CODE)
 
 
