@@ -156,7 +156,7 @@ def _rank_main(cfg: RunConfig) -> dict[str, Any]:
     from torch import nn
 
     from ft_bench_worker import make_data, make_optimizer, mlp, mlp_plan
-    from pipedream_ft.checkpoint import SaveHandle, immutable, list_committed, read_commit
+    from pipedream_ft.checkpoint import SaveHandle, list_committed, read_commit
     from pipedream_ft.policies import EveryNSteps, Never
     from pipedream_ft import CheckpointConfig, PipelineConfig, PipelineTrainer
 

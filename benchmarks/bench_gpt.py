@@ -27,9 +27,7 @@ import argparse
 import dataclasses
 import multiprocessing as mp
 import os
-import queue
 import socket
-import statistics
 import sys
 import time
 import traceback
@@ -37,6 +35,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from spawned import gather  # noqa: E402
 
 __all__ = ["Settings", "single_process", "run_pipeline", "main"]
 
@@ -176,28 +177,7 @@ def run_pipeline(s: Settings, plan_json: dict[str, Any], mode: str) -> list[dict
              for r in range(world)]
     for p in procs:
         p.start()
-    results: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + s.timeout_s + 120
-    try:
-        while len(results) < world:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{mode} pipeline timed out; finished ranks {sorted(results)}")
-            try:
-                rank, ok, payload = q.get(timeout=1.0)
-            except queue.Empty:
-                if all(p.exitcode is not None for p in procs):
-                    raise RuntimeError(f"ranks exited without reporting: {[p.exitcode for p in procs]}") from None
-                continue
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    return [results[r] for r in range(world)]
+    return gather(procs, q, s.timeout_s + 120, f"{mode} pipeline")
 
 
 # -- report ---------------------------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ import dataclasses
 import math
 import multiprocessing as mp
 import os
-import queue
 import socket
 import sys
 import tempfile
@@ -37,6 +36,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from spawned import gather  # noqa: E402
 
 __all__ = ["Case", "CASES", "make_case", "profile_case", "run_plan", "probe_machine", "main"]
 
@@ -161,28 +162,7 @@ def _world(fn: Any, args: tuple, world: int, timeout_s: float) -> list[Any]:
     procs = [ctx.Process(target=_entry, args=(fn, args, r, world, port, q), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < world:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out after {timeout_s:.0f} s; finished ranks {sorted(results)}")
-            try:
-                rank, ok, payload = q.get(timeout=1.0)
-            except queue.Empty:
-                if all(p.exitcode is not None for p in procs):
-                    raise RuntimeError(f"ranks exited without reporting: {[p.exitcode for p in procs]}") from None
-                continue
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    return [results[r] for r in range(world)]
+    return gather(procs, q, timeout_s, "the world")
 
 
 def run_plan(case: Case, plan: Any) -> dict[str, Any]:

@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 import multiprocessing as mp
 import os
-import queue
 import resource
 import socket
 import sys
@@ -35,6 +34,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from spawned import gather  # noqa: E402
 
 __all__ = ["Case", "run_case", "main"]
 
@@ -190,28 +191,7 @@ def run_case(case: Case) -> list[dict[str, Any]]:
     procs = [ctx.Process(target=_entry, args=(case, r, port, q), daemon=True) for r in range(case.stages)]
     for p in procs:
         p.start()
-    results: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + case.timeout_s + 60
-    try:
-        while len(results) < case.stages:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"case {case} timed out; finished ranks {sorted(results)}")
-            try:
-                rank, ok, payload = q.get(timeout=1.0)
-            except queue.Empty:
-                if all(p.exitcode is not None for p in procs):
-                    raise RuntimeError(f"ranks exited without reporting: {[p.exitcode for p in procs]}") from None
-                continue
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    return [results[r] for r in range(case.stages)]
+    return gather(procs, q, case.timeout_s + 60, f"case {case}")
 
 
 # -- report ---------------------------------------------------------------------------------------------------

@@ -94,6 +94,12 @@ def run_world(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
                 p.join(timeout=5)
     failed = {r: o for r, o in outcomes.items() if not o[0]}
     if failed and not expect_failure:
-        first = min(failed)
-        raise WorldError(f"rank {first} failed:\n{failed[first][1][2]}", outcomes)
+        # the root cause first: a rank whose error is not a peer's failure seen from its side
+        causes = [r for r in sorted(failed) if failed[r][1][0] != "PeerTimeoutError"] or sorted(failed)
+        first = causes[0]
+        lines = "\n".join(f"  rank {r}: {o[1][0]}: {o[1][1].splitlines()[0] if o[1][1] else ''}"
+                          for r, o in sorted(failed.items()))
+        codes = {i: p.exitcode for i, p in enumerate(procs)}
+        raise WorldError(f"rank {first} failed (every failed rank below; exit codes {codes}):\n{lines}\n"
+                         f"{failed[first][1][2]}", outcomes)
     return outcomes
