@@ -84,7 +84,9 @@ def test_in_place_recovery(case, reference, tmp_path):
     assert info["attempt"] == 0  # torchrun never restarted the group
     if info["incarnation"] == 0:  # rank 0 survived: its record of the recoveries it took part in
         cuts = [r["cut"] for r in info["recoveries"]]
-        assert cuts and all(c % MEMORY_EVERY == 0 or c % EVERY == 0 for c in cuts), cuts
+        # a cut due while the previous save of its tier was still being written is taken at a later minibatch
+        # (the policy stretches the interval), so cuts need not be multiples of the intervals
+        assert cuts and all(0 < c <= failed_at for c in cuts), cuts
         assert cuts[-1] >= failed_at - (2 * MEMORY_EVERY + DEPTH), (cuts, log[-4000:])
 
 
