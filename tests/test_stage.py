@@ -97,3 +97,52 @@ def test_value_layers_are_recomputed_where_needed_and_never_cross():
     assert crossing[1] == ["x", "tanh"]  # its tensor root (the input) crosses; the int does not
     x = torch.randn(4, 6)
     torch.testing.assert_close(run_stages(m, plan, x), m(x), rtol=0, atol=0)
+
+
+class _InPlaceBlock(nn.Module):
+    """torchvision's habits: ``ReLU(inplace=True)`` and ``out += identity``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.relu = nn.ReLU(inplace=True)
+        self.b = nn.Linear(6, 6)
+
+    def forward(self, x):
+        identity = x
+        out = self.a(x)
+        out = self.relu(out)
+        out = self.b(out)
+        out += identity
+        return torch.relu_(out)
+
+
+def test_a_stage_may_modify_a_received_activation_in_place():
+    """A received activation is a leaf that requires grad (its gradient goes upstream); a stage that starts with
+    an in-place layer on it works on a copy, and the gradients are the plain model's."""
+    torch.manual_seed(0)
+    m = _InPlaceBlock()
+    names = model_layers(m).names
+    x = torch.randn(3, 6)
+    xr = x.clone().requires_grad_()
+    want_out = m(xr)
+    want_out.sum().backward()
+    want = {n: p.grad.clone() for n, p in m.named_parameters()}
+    for cut in range(1, len(names)):  # every cut: the relu, the add and relu_ each start a stage once
+        plan = plan_for(m, [list(range(cut)), list(range(cut, len(names)))])
+        s0, s1 = build_stage(m, plan, 0), build_stage(m, plan, 1)
+        x0 = x.clone().requires_grad_()
+        mid = s0(x0)
+        leaves = [t.detach().requires_grad_() for t in mid]  # as the executor receives them
+        out = s1(*leaves)
+        assert torch.equal(out, want_out.detach()), names[cut]
+        params = dict(s0.named_parameters()) | dict(s1.named_parameters())
+        for p in params.values():
+            p.grad = None
+        grads = torch.autograd.grad(out.sum(), leaves, retain_graph=True)
+        out.sum().backward()
+        torch.autograd.backward(list(mid), list(grads))
+        assert torch.allclose(x0.grad, xr.grad), names[cut]
+        assert sorted(params) == sorted(want)
+        for n, p in params.items():
+            assert torch.allclose(p.grad, want[n]), (names[cut], n)

@@ -13,6 +13,8 @@ The stage module mirrors the original module tree (only the kept layers are graf
 
 from __future__ import annotations
 
+import operator
+
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -24,6 +26,12 @@ from partitioner.plan import Plan, PlanError
 from profiler.layers import layer_graph, sequential_children
 
 __all__ = ["ModelLayers", "StageModule", "model_layers", "build_stage", "boundaries", "executed_layers"]
+
+
+_IN_PLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                                  operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+                                  operator.ilshift, operator.irshift, operator.imatmul})
+"""``x += y`` and the like, as fx records them: they modify their first argument."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,11 +196,37 @@ class StageModule(nn.Module):
                     container.register_buffer(attr, value)
                 else:
                     setattr(container, attr, value)
+        self._modified_inputs = sorted(self._inputs_modified_in_place(ml))
+        """Inputs that a layer of this stage modifies in place (``ReLU(inplace=True)`` right after a cut): a
+        received activation is a leaf that requires grad, which autograd forbids modifying, so they are copied."""
+
+    def _inputs_modified_in_place(self, ml: ModelLayers) -> set[str]:
+        inputs = set(self.input_names)
+        out: set[str] = set()
+        for layer in self._layers:
+            if layer.op == "module":
+                in_place = bool(getattr(ml.root.get_submodule(layer.target), "inplace", False))
+            elif layer.op == "function":
+                in_place = bool(layer.kwargs.get("inplace", False)) or layer.target in _IN_PLACE_OPERATORS \
+                    or getattr(layer.target, "__name__", "").endswith("_")
+            elif layer.op == "method":
+                in_place = str(layer.target).endswith("_") and not str(layer.target).startswith("_")
+            else:
+                in_place = False
+            if in_place:
+                first = layer.args[0] if layer.args else None
+                if isinstance(first, _Ref) and first.name in inputs:
+                    out.add(first.name)
+        return out
 
     def forward(self, *values: Any) -> Any:
         if len(values) != len(self.input_names):
             raise ValueError(f"stage expects {len(self.input_names)} inputs ({self.input_names}), got {len(values)}")
         env: dict[str, Any] = dict(zip(self.input_names, values))
+        for name in self._modified_inputs:
+            value = env[name]
+            if isinstance(value, torch.Tensor) and value.requires_grad and value.is_leaf:
+                env[name] = value.clone()
         load = lambda a: env[a.name] if isinstance(a, _Ref) else a  # noqa: E731
         for layer in self._layers:
             args = map_aggregate(layer.args, load)
