@@ -14,7 +14,6 @@ The stage module mirrors the original module tree (only the kept layers are graf
 from __future__ import annotations
 
 import operator
-
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
