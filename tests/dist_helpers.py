@@ -27,6 +27,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_listening(port: int, proc: Any, timeout: float = 120.0) -> None:
+    """Wait until something listens on 127.0.0.1:``port`` (``proc``, a torchrun agent hosting its rendezvous
+    store), so that an agent started next is a client of it rather than racing it for the port."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"the agent that should host the store on port {port} exited ({proc.returncode})")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"nothing listens on port {port} after {timeout:g} s") from None
+            time.sleep(0.1)
+
+
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, args: tuple, env: dict) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"})

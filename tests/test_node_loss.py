@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_helpers import free_port
+from dist_helpers import free_port, wait_listening
 from test_elastic_torchrun import kill_tree
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
@@ -55,7 +55,7 @@ def test_a_lost_machine_resumes_from_its_peers_copies(tmp_path):
     out = run / "final.pt"
     port = free_port()
     a = agent(port, run, out, "a", 2, 2)
-    time.sleep(0.5)
+    wait_listening(port, a)  # a hosts the rendezvous store: b is the machine that is lost
     b = agent(port, run, out, "b", 2, 2)
     b2 = None
     try:
