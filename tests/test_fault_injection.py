@@ -90,6 +90,16 @@ def assert_redone_within_bound(resumed: int | None, failed_at: int, log: str = "
     assert resumed >= newest_possible - EVERY, (resumed, failed_at, log[-6000:])
 
 
+def assert_resumed_before_the_crashed_cut(resumed: int | None, failed_at: int, log: str) -> None:
+    """The part being written when its rank crashed is of the first cut at or after ``failed_at`` (a cut the
+    policy deferred while the previous part was still being persisted may come later); that cut never commits,
+    so the resume is from an earlier one. How much earlier depends on how far behind storage was (each due cut
+    waits for the previous part to be durable), not on the interval."""
+    resumed = 0 if resumed is None else resumed
+    crashed = int(re.search(r"ckpt_crash while writing \S*?step-0*(\d+)", log).group(1))
+    assert crashed >= failed_at and resumed < crashed, (crashed, resumed, log[-6000:])
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", list(LOCAL_CASES))
 def test_fault_on_local_disk(case, reference, tmp_path):
@@ -100,9 +110,9 @@ def test_fault_on_local_disk(case, reference, tmp_path):
     log = proc.stdout + proc.stderr
     assert text in log, log[-4000:]
     assert_bitwise(out, reference)
-    if "crash while writing" in case:  # the checkpoint being written is never committed: the one before is used
-        assert info["resumed_from"] < failed_at
-    if "corrupt" in case:  # the newest checkpoint was damaged: the one before it is used
+    if "crash while writing" in case:  # the checkpoint being written is never committed: one before it is used
+        assert_resumed_before_the_crashed_cut(info["resumed_from"], failed_at, log)
+    elif "corrupt" in case:  # the newest checkpoint was damaged: the one before it is used
         damaged = int(re.search(r"into checkpoint (\d+)", log).group(1))
         assert damaged - 2 * EVERY <= info["resumed_from"] < damaged, (damaged, info["resumed_from"])
     elif "SIGTERM" in case:
@@ -128,9 +138,15 @@ def test_fault_through_s3(case, reference, tmp_path, seaweed_s3):  # noqa: F811
     url = seaweed_s3.url(f"ft-{case.split()[0]}-{time.time_ns()}")
     proc = torchrun(url, out, faults, storage_options=seaweed_s3.storage_options)
     info = finished(proc, out)
-    assert_redone_within_bound(info["resumed_from"], failed_at)
+    log = proc.stdout + proc.stderr
+    resumed = 0 if info["resumed_from"] is None else info["resumed_from"]
+    # An upload to S3 takes longer than an interval here (~1 s against 8 minibatches of ~10 ms), so stage 0 defers
+    # each due cut until its previous part is durable: cuts are as far apart as the storage needs, and the
+    # interval bound of the local-disk cases does not apply. What must hold: the resume is from before the
+    # failure and, for a crash while writing, from before the cut being written (it never commits).
+    assert resumed <= failed_at, (resumed, log[-6000:])
     if "crash" in case:
-        assert info["resumed_from"] < failed_at
+        assert_resumed_before_the_crashed_cut(resumed, failed_at, log)
     assert_bitwise(out, reference)
 
 
