@@ -69,7 +69,9 @@ def test_gpt_plans_run_stage_by_stage(workers):
 def _assert_close(got, want, atol):
     assert sorted(got) == sorted(want)
     for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=atol, msg=k)
+        assert got[k].shape == want[k].shape and got[k].dtype == want[k].dtype, k
+        diff = (got[k].double() - want[k].double()).abs().max().item() if got[k].numel() else 0.0
+        assert diff <= atol, f"{k}: max |difference| {diff:.3g} > {atol:g}"
 
 
 @pytest.mark.slow
@@ -87,6 +89,9 @@ def test_gpt_with_tied_embeddings_matches_pipedream_semantics(mode):
 
 
 @pytest.mark.slow
+# Adam divides each update by the root of the gradients' second moment, which scales up the float rounding of
+# the pipeline's other summation order on near-zero gradients: under 1e-5 here (2 cores); 1e-4 leaves room
+# for kernels that split their reductions otherwise on other machines
 @pytest.mark.parametrize("opt, atol", [("sgd", 1e-6), ("adam", 1e-4)])
 def test_gpt_flush_mode_is_gradient_accumulation_of_the_plain_model(opt, atol):
     out = run_world(gpt_case, 4, gpt_plan(4), 12, "flush", opt, 4, timeout=300)
