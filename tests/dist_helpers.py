@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -30,8 +31,6 @@ def free_port() -> int:
 def wait_listening(port: int, proc: Any, timeout: float = 120.0) -> None:
     """Wait until something listens on 127.0.0.1:``port`` (``proc``, a torchrun agent hosting its rendezvous
     store), so that an agent started next is a client of it rather than racing it for the port."""
-    import time
-
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
@@ -84,8 +83,6 @@ def run_world(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     for p in procs:
         p.start()
     outcomes: dict[int, tuple[bool, Any]] = {}
-    import time
-
     deadline = time.monotonic() + timeout
     try:
         while len(outcomes) < world:
