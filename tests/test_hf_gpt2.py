@@ -63,7 +63,7 @@ def test_profile_and_plan_on_four_workers() -> None:
         "size", "getattr_1"]
     for straight in (False, True):
         plan = partition(profile, 4, 1e9, straight=straight)
-        assert plan.world_size == 4 and plan.recompute == (0, 1)
+        assert plan.world_size == 4 and plan.recompute == (1, 2)  # after the token embedding
         if straight:
             assert plan.num_stages == 4
         wrapper.eval()
@@ -73,8 +73,14 @@ def test_profile_and_plan_on_four_workers() -> None:
 def test_refuses_what_it_cannot_reproduce() -> None:
     with pytest.raises(TypeError, match="GPT2LMHeadModel"):
         gpt2_for_pipeline(nn.Linear(2, 2))
-    eager = _hf(n_layer=1)
-    eager.config._attn_implementation = "eager"
-    with pytest.raises(ValueError, match="'eager' is not supported.*sdpa"):
-        gpt2_for_pipeline(eager)
+    with pytest.raises(ValueError, match="add_cross_attention"):
+        gpt2_for_pipeline(_hf(n_layer=1, add_cross_attention=True))
     assert isinstance(gpt2_for_pipeline(_hf(n_layer=1)), GPT2ForPipeline)
+
+
+def test_eager_attention_builds_its_causal_mask_inside_each_block() -> None:
+    model = _hf(n_layer=2, attn_implementation="eager")
+    assert model.config._attn_implementation == "eager"  # with no mask, eager blocks would attend everywhere
+    idx = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(layer_graph(gpt2_for_pipeline(model)).graph_module(idx), model(idx).logits)
