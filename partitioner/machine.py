@@ -221,9 +221,11 @@ def load_machine(path: str | Path) -> MachineProfile:
     """Read a machine profile JSON file; :class:`MachineError` on an unreadable or invalid one."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise MachineError(f"cannot read machine profile {str(p)!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise MachineError(f"{p}: not a machine profile: not UTF-8 text (byte {exc.start})") from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -51,6 +51,8 @@ __all__ = [
     "FORMAT",
     "VERSION",
     "KINDS",
+    "MAX_BYTES",
+    "MAX_MS",
     "Layer",
     "TiedGroup",
     "ModelInput",
@@ -62,6 +64,11 @@ __all__ = [
 FORMAT = "pipedream-ft-profile"
 VERSION = 1
 KINDS = ("tensor", "value")
+MAX_MS = 1e9
+"""The largest time a profile may give a layer, in milliseconds (about 11.6 days per minibatch): beyond it a value
+is a mistake, and sums of such values overflow the planner's arithmetic."""
+MAX_BYTES = float(2**60)
+"""The largest byte count a profile may give (an exbibyte)."""
 """Layer kinds: ``"tensor"`` (its output holds tensors) or ``"value"`` (no tensor: recomputed, never sent)."""
 
 
@@ -95,6 +102,10 @@ class Layer:
                 raise ProfileError(f"layer {self.name!r}: {key} must be a number, got {value!r}")
             if math.isnan(value) or math.isinf(value) or value < 0:
                 raise ProfileError(f"layer {self.name!r}: {key} must be finite and >= 0, got {value!r}")
+            limit = MAX_MS if key.endswith("_ms") else MAX_BYTES
+            if value > limit:
+                raise ProfileError(f"layer {self.name!r}: {key} is {value!r}, beyond any real layer "
+                                   f"(at most {limit:.3g}{' ms' if key.endswith('_ms') else ' bytes'})")
         if self.kind not in KINDS:
             raise ProfileError(f"layer {self.name!r}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.kind == "value" and self.activation_bytes != 0:
@@ -117,8 +128,9 @@ class TiedGroup:
 
     def __post_init__(self) -> None:
         if not isinstance(self.bytes, (int, float)) or isinstance(self.bytes, bool) \
-                or not math.isfinite(self.bytes) or self.bytes < 0:
-            raise ProfileError(f"tied parameter {self.name!r}: bytes must be a finite number >= 0, got {self.bytes!r}")
+                or not math.isfinite(self.bytes) or not 0 <= self.bytes <= MAX_BYTES:
+            raise ProfileError(f"tied parameter {self.name!r}: bytes must be a finite number >= 0 and at most "
+                               f"{MAX_BYTES:.3g}, got {self.bytes!r}")
         if len(self.layers) < 2 or list(self.layers) != sorted(set(self.layers)):
             raise ProfileError(
                 f"tied parameter {self.name!r}: layers must be two or more distinct indices, ascending, "
@@ -139,8 +151,9 @@ class ModelInput:
 
     def __post_init__(self) -> None:
         if not isinstance(self.bytes, (int, float)) or isinstance(self.bytes, bool) \
-                or not math.isfinite(self.bytes) or self.bytes < 0:
-            raise ProfileError(f"input {self.name!r}: bytes must be a finite number >= 0, got {self.bytes!r}")
+                or not math.isfinite(self.bytes) or not 0 <= self.bytes <= MAX_BYTES:
+            raise ProfileError(f"input {self.name!r}: bytes must be a finite number >= 0 and at most "
+                               f"{MAX_BYTES:.3g}, got {self.bytes!r}")
         if list(self.readers) != sorted(set(self.readers)):
             raise ProfileError(f"input {self.name!r}: readers must be distinct indices, ascending, got {list(self.readers)}")
 
@@ -425,9 +438,12 @@ def load_profile(path: str | Path) -> Profile:
     """Read a profile from JSON or PipeDream's ``graph.txt`` (chosen by content, not suffix)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ProfileError(f"{path}: cannot read profile: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{path}: not a profile: not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x})"
+                           ) from None
     if text.lstrip().startswith("{"):
         try:
             data = json.loads(text)

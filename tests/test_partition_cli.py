@@ -75,6 +75,14 @@ def test_json_profile_and_memory(tmp_path):
      "\tnode1 -- node9\n", "node9"),
     ('{"format": "pipedream-ft-profile", "version": 1, "layers": [', "invalid JSON"),
     ("", "no node lines"),
+    ("node1 -- Conv -- forward_compute_time=1e308, backward_compute_time=1.0, activation_size=1.0, "
+     "parameter_size=1.0\n", "'node1': forward_ms is 1e+308"),
+    ('{"format": "pipedream-ft-profile", "version": 1, "layers": [{"name": "a", "description": "A", '
+     '"forward_ms": 1.0, "backward_ms": 1e308, "activation_bytes": 1.0, "parameter_bytes": 1.0}], "edges": []}',
+     "'a': backward_ms is 1e+308"),
+    ('{"format": "pipedream-ft-profile", "version": 1, "layers": [{"name": "a", "description": "A", '
+     '"forward_ms": 1.0, "backward_ms": 1.0, "activation_bytes": 1e300, "parameter_bytes": 1.0}], "edges": []}',
+     "'a': activation_bytes is 1e+300"),
 ])
 def test_bad_profiles(tmp_path, capsys, content, needle):
     prof = tmp_path / "bad.txt"
@@ -86,6 +94,53 @@ def test_bad_profiles(tmp_path, capsys, content, needle):
     assert needle in lines[0] and str(prof) in lines[0]
     assert not out.exists()
     assert list(tmp_path.iterdir()) == [prof]  # no temporary files left behind
+
+
+@pytest.mark.parametrize("head", [b"", b'{"format": "pipedream-ft-profile", '])
+def test_a_profile_that_is_not_utf8_is_one_line(tmp_path, head):
+    """Bytes that are not UTF-8 (a binary file, another encoding) are named, not a UnicodeDecodeError traceback."""
+    prof = tmp_path / "bad.prof"
+    prof.write_bytes(head + b"\xff\xfe\x00 node1 -- Conv")
+    out = tmp_path / "plan.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "partitioner.cli", str(prof), "--workers", "2", "--bandwidth", "1e9", "-o", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert lines == [f"pipedream-partition: error: {prof}: not a profile: not UTF-8 text (byte {len(head)} is 0xff)"]
+    assert not out.exists()
+
+
+def test_a_huge_time_is_one_line_without_a_numpy_warning(tmp_path):
+    """A finite but absurd time (1e308 ms) is refused while loading, naming the layer and the value, before
+    the planner's sums overflow (a numpy RuntimeWarning, then "no plan exists")."""
+    layers = [{"name": str(i), "description": "Linear", "forward_ms": 1.0, "backward_ms": 2.0,
+               "activation_bytes": 1e5, "parameter_bytes": 1e6} for i in range(4)]
+    layers[2]["forward_ms"] = 1e308
+    prof = tmp_path / "prof.json"
+    prof.write_text(json.dumps({"format": "pipedream-ft-profile", "version": 1, "layers": layers,
+                                "edges": [[i, i + 1] for i in range(3)]}))
+    out = tmp_path / "plan.json"
+    proc = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "partitioner.cli", str(prof), "--workers", "2",
+         "--bandwidth", "1e9", "-o", str(out)], cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"pipedream-partition: error: {prof}"), lines
+    assert "layer '2': forward_ms is 1e+308" in lines[0] and "at most 1e+09 ms" in lines[0], lines
+    assert not out.exists()
+
+
+def test_a_machine_profile_that_is_not_utf8_is_one_line(tmp_path, capsys):
+    machine = tmp_path / "machine.json"
+    machine.write_bytes(b"\xff\xfe{}")
+    out = tmp_path / "plan.json"
+    assert main([VGG, "--machine", str(machine), "-o", str(out)]) == 2
+    lines = _err_lines(capsys)
+    assert lines == [f"pipedream-partition: error: {machine}: not a machine profile: not UTF-8 text (byte 0)"]
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("args,needle", [

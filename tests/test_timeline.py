@@ -249,12 +249,39 @@ def _error_case(tmp_path: Path, clock: FakeClock, case: str) -> tuple[list[str],
         return [str(good), "-o", str(out), "--last", "-1"], out
     if case == "unwritable --trace":
         return [str(good), "-o", str(out), "--trace", str(tmp_path / "missing" / "m.json")], out
+    if case in MALFORMED:
+        bad = tmp_path / "bad.json"
+        bad.write_text(MALFORMED[case][0])
+        return [str(bad), "-o", str(out)], out
+    if case == "a malformed event among good ones":
+        with open(good / "trace-attempt0-rank1.json", "a") as f:  # the file is a closed array: add an event
+            f.write('{"name":"F9","ph":"X","ts":"soon","dur":1,"pid":1}\n')
+        return [str(good), "-o", str(out)], out
     raise AssertionError(case)
+
+
+MALFORMED = {
+    # case: (file, what the error line must say)
+    "0 events": ('{"traceEvents": []}', "no trace events"),
+    "metadata only": ('{"traceEvents": [{"name": "process_name", "ph": "M", "pid": 0, "args": {}}]}',
+                      "no trace events"),
+    "events without a time": ('{"traceEvents": [{"name": "F1", "ph": "X", "pid": 0}]}',
+                              '1 of 1 trace events in'),
+    "a time that is not a number": ('{"traceEvents": [{"name": "F1", "ph": "X", "ts": "abc", "dur": 1, "pid": 0}]}',
+                                    '"ts" must be a finite number, got "abc"'),
+    "a negative duration, a pid that is not a rank": (
+        '{"traceEvents": [{"name": "F1", "ph": "X", "ts": 5, "dur": -3, "pid": 0},'
+        ' {"name": "F2", "ph": "X", "ts": 5, "dur": 3, "pid": "a"}]}', "2 of 2 trace events"),
+    "not objects": ('[1, 2, "x"]', "not an object: 1"),
+    "an object without a phase": ('{"traceEvents": [{"foo": 1}]}', 'no "ph" (phase)'),
+    "an infinite time": ('[{"ph":"X","ts":1e400,"dur":1,"pid":0,"name":"F0"}]', '"ts" must be a finite number'),
+}
 
 
 @pytest.mark.parametrize("case", ["missing path", "no trace files", "invalid JSON", "broken merged JSON",
                                   "not UTF-8", "unwritable output", "output is a directory", "bad width",
-                                  "bad --last", "unwritable --trace"])
+                                  "bad --last", "unwritable --trace", *MALFORMED,
+                                  "a malformed event among good ones"])
 def test_cli_errors(tmp_path: Path, clock: FakeClock, capsys, case: str) -> None:
     argv, out = _error_case(tmp_path, clock, case)
     before = sorted(p.name for p in tmp_path.rglob("*"))
@@ -263,6 +290,10 @@ def test_cli_errors(tmp_path: Path, clock: FakeClock, capsys, case: str) -> None
     assert captured.out == ""
     lines = captured.err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("pipedream-timeline: error: "), captured.err
+    if case in MALFORMED:
+        assert MALFORMED[case][1] in lines[0], lines[0]
+    if case == "a malformed event among good ones":
+        assert "trace-attempt0-rank1.json" in lines[0] and "event" in lines[0] and "'F9'" in lines[0], lines[0]
     assert "Traceback" not in captured.err
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # no partial or temporary files

@@ -114,7 +114,7 @@ def load_trace_file(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
                 events.append(json.loads(line))
             except json.JSONDecodeError:
                 break  # the rank died while writing this line
-    return [e for e in events if isinstance(e, dict) and e]
+    return [e for e in events if e != {}]  # ``{}``: the closing sentinel; anything else is kept, to be checked
 
 
 def trace_files(directory: str | os.PathLike[str]) -> list[Path]:
@@ -125,7 +125,7 @@ def merge_traces(paths: Iterable[str | os.PathLike[str]]) -> dict[str, Any]:
     """One Chrome trace (``{"traceEvents": [...]}``) from several rank/attempt files, sorted by time."""
     events: list[dict[str, Any]] = []
     for p in paths:
-        events.extend(load_trace_file(p))
+        events.extend(e for e in load_trace_file(p) if isinstance(e, dict))
     meta = [e for e in events if e.get("ph") == "M"]
     timed = sorted((e for e in events if e.get("ph") != "M"), key=lambda e: e.get("ts", 0))
     return {"traceEvents": meta + timed, "displayTimeUnit": "ms"}

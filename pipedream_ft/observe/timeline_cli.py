@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -23,9 +24,9 @@ from typing import Any
 from profiler.cliutil import CliError, OneLineParser, check_writable, number, run_cli
 
 from .plot import clip_trace, draw_timeline, summarize
-from .timeline import merge_traces, trace_files
+from .timeline import load_trace_file, merge_traces, trace_files
 
-__all__ = ["main", "load_trace"]
+__all__ = ["check_events", "main", "load_trace"]
 
 PROG = "pipedream-timeline"
 
@@ -81,13 +82,52 @@ def load_trace(source: str | os.PathLike[str]) -> dict[str, Any]:
         raise CliError(f"{str(src)!r} does not exist")
     for p in paths:
         _check_file(p)
+        try:
+            check_events({"traceEvents": load_trace_file(p)}, str(p), empty_ok=len(paths) > 1)
+        except (OSError, ValueError) as exc:
+            raise CliError(f"cannot read the trace in {str(p)!r}: {exc}") from None
     try:
         trace = merge_traces(paths)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CliError(f"cannot read the trace in {str(src)!r}: {exc}") from None
-    if not any(e.get("ph") != "M" for e in trace["traceEvents"]):
-        raise CliError(f"no trace events in {str(src)!r}")
+    check_events(trace, str(src))
     return trace
+
+
+def _event_problem(event: Any) -> str | None:
+    """What is wrong with one trace event (as this package writes them), or ``None``."""
+    if not isinstance(event, dict):
+        return f"not an object: {json.dumps(event)[:60]}"
+    ph = event.get("ph")
+    if not isinstance(ph, str) or not ph:
+        return "no \"ph\" (phase)"
+    if ph == "M":
+        return None
+    if not isinstance(event.get("name"), str):
+        return "no \"name\""
+    if not isinstance(event.get("pid"), int) or isinstance(event.get("pid"), bool):
+        return f"\"pid\" must be an integer, got {json.dumps(event.get('pid'))}"
+    for key in ("ts", "dur") if ph == "X" else ("ts",):
+        value = event.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or (key == "dur" and value < 0):
+            return f"\"{key}\" must be a finite number{' >= 0' if key == 'dur' else ''}, got {json.dumps(value)}"
+    return None
+
+
+def check_events(trace: dict[str, Any], source: str, *, empty_ok: bool = False) -> None:
+    """Raise :class:`CliError` (one line) if ``trace`` has no timed event, or any malformed one: naming how many,
+    the first and what is wrong with it. (A rank killed mid-write leaves a cut-off last line, which the loader
+    drops: that is not malformed.)"""
+    events = trace.get("traceEvents", [])
+    bad = [(i, problem) for i, e in enumerate(events) if (problem := _event_problem(e)) is not None]
+    if bad:
+        i, problem = bad[0]
+        name = events[i].get("name") if isinstance(events[i], dict) else None
+        raise CliError(f"{len(bad)} of {len(events)} trace events in {source!r} are malformed; the first, "
+                       f"event {i}{f' ({name!r})' if isinstance(name, str) else ''}: {problem}")
+    if not empty_ok and not any(e.get("ph") != "M" for e in events):
+        raise CliError(f"no trace events in {source!r} (0 events to draw)")
 
 
 def _stage_json(trace: dict[str, Any], path: Path) -> Path:
