@@ -118,19 +118,15 @@ def test_catalog():
         build("zbv", 2, 4, stages_per_rank=3)
 
 
-CASES = [(name, ranks, n, v) for name in SCHEDULES for ranks in (1, 2, 3, 4) for n in range(1, 10) for v in (1, 2, 3)
-         if v == 1 or name in ("interleaved_1f1b", "interleaved_zero_bubble", "looped_bfs")]
+LOOPED = ("interleaved_1f1b", "interleaved_zero_bubble", "looped_bfs")
 
 
-@pytest.mark.parametrize("name,ranks,n,v", CASES)
-def test_every_schedule_is_complete_and_runs(name, ranks, n, v):
+def check_complete(name, ranks, n, v):
     try:
-        built = build(name, ranks, n, stages_per_rank=v if name in ("interleaved_1f1b", "interleaved_zero_bubble",
-                                                                       "looped_bfs") else None)
+        sched, placement = build(name, ranks, n, stages_per_rank=v if name in LOOPED else None)
     except ValueError as e:
         assert "microbatches" in str(e)  # the schedule's own requirement on the count
         return
-    sched, placement = built
     stages = len(placement)
     for rank, acts in sched.items():
         assert all(placement[a.stage] == rank for a in acts)
@@ -143,6 +139,13 @@ def test_every_schedule_is_complete_and_runs(name, ranks, n, v):
             expected.add(Action(s, Kind.U, m))
     assert sorted(done) == sorted(expected)
     simulate(sched, placement=placement)  # no deadlock, every dependency met
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_every_schedule_is_complete_and_runs(name):
+    # each stage runs every microbatch's forward and backward once, on its rank, and the whole runs
+    for ranks, n, v in itertools.product((1, 2, 3, 4), range(1, 10), (1, 2, 3) if name in LOOPED else (None,)):
+        check_complete(name, ranks, n, v)
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 5])

@@ -27,7 +27,7 @@ def render(timeline: Timeline, unit: float | None = None) -> str:
     columns = round(timeline.step_time / unit)
     lines = []
     for r, lst in drawn.items():
-        cells = ["." * 1] * columns
+        cells = ["."] * columns
         for s in lst:
             first, stop = round(s.start / unit), max(round(s.end / unit), round(s.start / unit) + 1)
             for c in range(first, min(stop, columns)):

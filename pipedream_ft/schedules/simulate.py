@@ -65,6 +65,10 @@ def simulate(schedule: Schedule, costs: Costs | None = None, placement: Mapping[
     acts = {r: [a for a in lst if a is not None] for r, lst in sorted(schedule.items())}
     if placement is None:
         placement = stage_to_rank(acts)
+    for r, lst in acts.items():
+        for a in lst:
+            if placement.get(a.stage) != r:
+                raise ScheduleError(f"{a} is on rank {r} but stage {a.stage} is placed on rank {placement.get(a.stage)}")
     if costs is None:
         costs = Costs.uniform(max(len(placement), 1))
     lowered = any(a.kind in COMMUNICATION for lst in acts.values() for a in lst)
