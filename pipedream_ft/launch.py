@@ -12,6 +12,12 @@ It runs ``main`` as this rank's training and exits the process with a meaningful
   memory (see :mod:`pipedream_ft.ft.recovery`). ``recovery="restart"`` leaves failures to torchrun, which
   restarts every process.
 
+Any other exception that escapes ``main`` prints one line too, naming the error, where it was raised and the
+per-rank log file that holds its full traceback (``$PIPEDREAM_FT_LOG_DIR``, default
+``./pipedream-ft-logs/<run id>``); raised before training started, or raised again at the same place by the
+rank's next process, it stops the job with exit status 2 instead of a replacement loop (see
+:mod:`pipedream_ft.crashlog`).
+
 Launch with ``torchrun --nproc-per-node N [--max-restarts R] script.py``.
 """
 
@@ -22,8 +28,9 @@ import os
 import sys
 from typing import Any, Callable, NoReturn
 
+from .crashlog import crashed
 from .env import read_env
-from .errors import run_reporting_errors
+from .errors import EXIT_SETUP, run_reporting_errors
 
 __all__ = ["RECOVERY_MODES", "launch"]
 
@@ -49,10 +56,18 @@ def launch(main: Callable[..., Any], *args: Any, recovery: str | None = None, ma
         mode = "restart"
 
     def train() -> int:
+        from .ft.coordination import stop_job, stopped_job
         from .trainer import release_all
 
+        mine = read_env()  # as the supervisor set it for this process
+        if stopped_job(mine) is not None:  # an earlier attempt stopped on an error that would recur: its line is out
+            return EXIT_SETUP
         try:
             code, _ = run_reporting_errors(main, *args, **kwargs)
+            if code == EXIT_SETUP:
+                stop_job(mine, "a set-up error")
+        except Exception as exc:  # not a known error: one line, the traceback to a file, no replacement loop
+            code = crashed(mine, exc)
         finally:
             release_all()
         return code

@@ -42,7 +42,7 @@ from profiler.profile import Profile
 
 from .checkpoint import Storage
 from .env import DistEnv, read_env
-from .errors import JobError, PipelineSetupError, say
+from .errors import InvalidArgument, JobError, PipelineSetupError, mark_training, say
 from .checkpoint import CheckpointError
 from .ft.checkpointer import CheckpointConfig, Checkpointer, plan_hash
 from .ft.coordination import LiveGroup
@@ -593,13 +593,15 @@ class PipelineTrainer:
         """
         window = self.mode.window(self.topo)
         if steps < 0 or steps % window:
-            raise ValueError(f"steps must be a non-negative multiple of {window} for this plan and mode, got {steps}")
+            raise InvalidArgument(f"steps must be a non-negative multiple of {window} for this plan and mode, "
+                                  f"got {steps}")
         ex = self.executor
         self._feed_for(data, steps)
         start, stop = self.position, self.position + steps
         t0 = time.perf_counter()
         ex.losses = []
         self.hooks.on_train_start(start, stop)
+        mark_training()  # an error from now on is a crash, not a set-up error (see pipedream_ft.crashlog)
         try:
             while True:
                 failure = self._run(data, stop)

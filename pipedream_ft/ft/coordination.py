@@ -6,7 +6,9 @@ gloo a restarted group could read its predecessor's addresses and fail in ``Gloo
 refused``. So nothing is written at the top level:
 
 * ``pipedream_ft/<run>/job/`` — the *job* namespace, shared by every attempt: how far training got
-  (``progress``, ``loss``), read by a restarted attempt to say how much work it redoes.
+  (``progress``, ``loss``), read by a restarted attempt to say how much work it redoes; the signature of each
+  rank's last unexpected error (``crash/<rank>``) and the line of an error that stopped the job (``stopped``),
+  which ends every later attempt at once (see :mod:`pipedream_ft.crashlog`).
 * ``pipedream_ft/<run>/round/`` — the handshake that gives every (re)started group a fresh *epoch* namespace
   (:func:`agree_on_round`); torchrun's restart count cannot serve, since after a membership change the agents'
   counts differ.
@@ -16,7 +18,10 @@ refused``. So nothing is written at the top level:
   (:class:`LiveGroup`): the failure counter ``failures`` (epoch ``k`` of the group is the one formed after
   ``k`` failures), each epoch's join records ``e<k>/join/<rank>`` and its decision ``e<k>/decision``, the
   ranks' heartbeats ``hb/<rank>``, and the supervisors' keys ``replacing/<rank>`` and ``evict/<rank>``. Each
-  rank's process publishes its group's round in the job namespace (``round/<rank>``) for its supervisor.
+  rank's process publishes its group's round in the job namespace for its supervisor, under the supervisor's
+  own id (``round/<rank>/<supervisor>``): a supervisor of a later torchrun attempt — or on another node, where
+  torchrun's restart counts differ — never reads the round (nor, through it, the ``evict/`` keys) of an
+  earlier one.
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ import torch
 import torch.distributed as dist
 
 from ..env import DistEnv, read_env
+from ..errors import PipelineError
 
 __all__ = ["Coordinator", "Epoch", "LiveGroup", "agree_on_round", "base_store", "init_distributed", "job_store",
-           "shutdown"]
+           "previous_crash", "record_crash", "round_owner", "shutdown", "stop_job", "stopped_job"]
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +51,9 @@ KEY_LOSS = "loss"
 KEY_PREEMPTED = "preempted"
 KEY_JOB_ERROR = "job-error"
 KEY_FINISHED = "finished/{position}"
-KEY_ROUND = "round/{rank}"
+KEY_ROUND = "round/{rank}/{owner}"
+KEY_CRASH = "crash/{rank}"
+KEY_STOPPED = "stopped"
 KEY_JOB_ID = "id"
 KEY_MEMORY_DONE = "memory/{plan}/{rank}"
 KEY_MEASURE = "measure/{plan}/{rank}"
@@ -161,7 +169,7 @@ class Coordinator:
 
     def live_group(self, round_id: str) -> LiveGroup:
         """The in-place recovery keys of the group started in ``round_id``; published for this rank's supervisor."""
-        self.job.set(KEY_ROUND.format(rank=self.env.rank), round_id)
+        self.job.set(KEY_ROUND.format(rank=self.env.rank, owner=round_owner(self.env)), round_id)
         return LiveGroup(self.base, self.env.run_id, round_id)
 
     def live_epoch(self, round_id: str, epoch: int) -> Epoch:
@@ -248,10 +256,11 @@ class LiveGroup:
         self.store = dist.PrefixStore(f"pipedream_ft/{run_id}/{round_id}/live/", base)
 
     @staticmethod
-    def published_round(base: dist.Store, run_id: str, rank: int) -> str | None:
-        """The round ``rank``'s process last published (``None`` if it never got that far)."""
+    def published_round(base: dist.Store, run_id: str, rank: int, owner: str) -> str | None:
+        """The round that the processes of ``rank`` started by supervisor ``owner`` last published (``None`` if
+        none got that far)."""
         job = dist.PrefixStore(f"pipedream_ft/{run_id}/job/", base)
-        key = KEY_ROUND.format(rank=rank)
+        key = KEY_ROUND.format(rank=rank, owner=owner)
         return job.get(key).decode() if job.check([key]) else None
 
     # failures and epochs ------------------------------------------------------------------------------------
@@ -347,6 +356,62 @@ class LiveGroup:
         return int(self.store.get(key)) if self.store.check([key]) else None
 
 
+def round_owner(env: DistEnv) -> str:
+    """Whose processes a published round belongs to: the supervisor that started this process, else torchrun's
+    attempt (see the module docstring)."""
+    return env.supervisor or f"attempt{env.restart_count}"
+
+
+def _job_keys(env: DistEnv) -> dist.Store | None:
+    """The job namespace, when a store outlives the attempt (torchrun's agent hosts it); else ``None``."""
+    if not env.use_agent_store:
+        return None
+    return dist.PrefixStore(f"pipedream_ft/{env.run_id}/job/", base_store(env, 10.0))
+
+
+def stop_job(env: DistEnv, line: str) -> None:
+    """Record that the job stops on ``line`` (an error that any attempt would meet again): every process of a
+    later attempt with the same world size exits at once (:func:`stopped_job`). The first record wins."""
+    try:
+        store = _job_keys(env)
+        if store is not None:
+            store.compare_set(KEY_STOPPED, "", json.dumps({"world_size": env.world_size, "line": line}))
+    except Exception as exc:  # the store is gone: torchrun is ending the job anyway
+        log.warning("could not record the error that stops the job: %s", exc)
+
+
+def stopped_job(env: DistEnv) -> str | None:
+    """The line of the error that stopped this job in an earlier attempt of the same world size, if any."""
+    try:
+        store = _job_keys(env)
+        if store is None or not store.check([KEY_STOPPED]):
+            return None
+        record = json.loads(store.get(KEY_STOPPED))
+    except Exception:  # no store: nothing was recorded
+        return None
+    return record["line"] if record.get("world_size") == env.world_size else None
+
+
+def previous_crash(env: DistEnv) -> str | None:
+    """The signature of the last unexpected error of a process of this rank (:mod:`pipedream_ft.crashlog`)."""
+    try:
+        store = _job_keys(env)
+        key = KEY_CRASH.format(rank=env.rank)
+        return store.get(key).decode() if store is not None and store.check([key]) else None
+    except Exception:
+        return None
+
+
+def record_crash(env: DistEnv, signature: str) -> None:
+    """Keep ``signature`` as this rank's last unexpected error (:mod:`pipedream_ft.crashlog`)."""
+    try:
+        store = _job_keys(env)
+        if store is not None:
+            store.set(KEY_CRASH.format(rank=env.rank), signature)
+    except Exception as exc:
+        log.warning("could not record the crash: %s", exc)
+
+
 def agree_on_round(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> str:
     """A fresh namespace that every worker of this group, and no earlier group, uses.
 
@@ -388,7 +453,7 @@ def agree_on_round(store: dist.Store, rank: int, world_size: int, timeout_s: flo
                 pending.discard(r)
         if pending:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"ranks {sorted(pending)} did not join within {timeout_s:.0f}s")
+                raise PipelineError(f"ranks {sorted(pending)} did not join the group within {timeout_s:.0f}s")
             time.sleep(0.005)
     return round_id
 

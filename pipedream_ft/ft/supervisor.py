@@ -9,7 +9,14 @@ every rank has (see :mod:`pipedream_ft.ft.recovery`). torchrun sees none of this
 for failures the group cannot recover from in place (a lost machine, a failed recovery), which end every
 process and restart them all, as without a supervisor.
 
-The training process dies with its supervisor (``PR_SET_PDEATHSIG``). Exit statuses of the training process:
+The training process dies with its supervisor (``PR_SET_PDEATHSIG``). When torchrun ends the worker group
+(SIGTERM: another rank's supervisor died, as an OOM killer or a lost container would do it), a supervisor whose
+group is recovering kills its training process at once — the group cannot form again without the lost rank,
+and the process's memory-tier parts stay on the node for torchrun's next attempt; a supervisor whose group is
+training passes the signal on (a preemption notice: an emergency checkpoint), and still kills the process
+as soon as the group turns out to be recovering. Each supervisor has an id of its own, which its processes
+publish their group under (see :mod:`pipedream_ft.ft.coordination`): a supervisor of a later attempt never
+acts on an earlier attempt's keys. Exit statuses of the training process:
 ``0`` done; ``2`` a set-up error, the same on every rank (not replaced); ``4`` the recovery failed (not
 replaced: the whole group restarts); ``5`` a re-planning cut (every rank's process starts afresh on the new
 plan); anything else, or a signal, is replaced (at most ``max_replacements`` times).
@@ -23,12 +30,13 @@ import os
 import signal
 import sys
 import time
+import uuid
 from types import FrameType
 from typing import Callable
 
 from ..env import DistEnv
 from ..errors import EXIT_RECOVERY_FAILED, EXIT_REPLAN, EXIT_SETUP, say
-from .coordination import LiveGroup, base_store
+from .coordination import FORMED, LiveGroup, base_store
 
 __all__ = ["Supervisor"]
 
@@ -57,6 +65,8 @@ class Supervisor:
         self.max_replacements = max_replacements
         self.poll_s = poll_s
         self.timeout_s = timeout_s
+        self.id = uuid.uuid4().hex[:16]
+        """This supervisor's id: its processes publish their group's round under it."""
         self.terminating: int | None = None
         """The signal that asked this rank to stop (SIGTERM from torchrun or the machine), if any."""
         self._child: int | None = None
@@ -117,6 +127,7 @@ class Supervisor:
                 signal.signal(sig, signal.SIG_DFL)
             os.environ["PIPEDREAM_FT_RECOVERY"] = "in-place"
             os.environ["PIPEDREAM_FT_INCARNATION"] = str(incarnation)
+            os.environ["PIPEDREAM_FT_SUPERVISOR"] = self.id
             if live is not None:
                 os.environ["PIPEDREAM_FT_ROUND"] = live.round_id
             else:
@@ -137,15 +148,27 @@ class Supervisor:
                 os._exit(code)
 
     def _watch(self, pid: int, incarnation: int) -> int:
-        """Wait for the child; kill it if the group evicted it. Returns its exit status (``-N``: signal N)."""
+        """Wait for the child; kill it if the group evicted it, or if this rank must stop while its group is
+        recovering (see the module docstring). Returns its exit status (``-N``: signal N)."""
         next_check = time.monotonic()
+        forwarded = killed = False
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 self._child = None
                 return os.waitstatus_to_exitcode(status)
             now = time.monotonic()
-            if now >= next_check and self.terminating is None:
+            if self.terminating is not None and not killed and (not forwarded or now >= next_check):
+                next_check = now + 0.05
+                if self._recovering():
+                    log.info("rank %d: stopping while the group recovers: ending the training process now",
+                             self.env.rank)
+                    os.kill(pid, signal.SIGKILL)
+                    killed = True
+                elif not forwarded:  # a preemption notice: the training process takes an emergency checkpoint
+                    os.kill(pid, self.terminating)
+                forwarded = True
+            elif now >= next_check and self.terminating is None:
                 next_check = now + 0.1
                 live = self._live_group()
                 if live is not None:
@@ -164,21 +187,29 @@ class Supervisor:
         if self._live is None:
             try:
                 base = base_store(self.env, self.timeout_s)
-                round_id = LiveGroup.published_round(base, self.env.run_id, self.env.rank)
+                round_id = LiveGroup.published_round(base, self.env.run_id, self.env.rank, self.id)
             except Exception:  # no store yet or any more
                 return None
             if round_id is not None:
                 self._live = LiveGroup(base, self.env.run_id, round_id)
         return self._live
 
+    def _recovering(self) -> bool:
+        """Whether this rank's group is forming again after a failure (or not formed yet, or its store is gone):
+        then nothing is left to save and the training process can go at once."""
+        live = self._live_group()
+        if live is None:
+            return True
+        try:
+            failures = live.failures()
+            return failures > 0 and live.decision(failures) != FORMED
+        except Exception:  # the store is gone: torchrun is ending the job
+            return True
+
     def _forward(self, signum: int, frame: FrameType | None) -> None:
-        """SIGTERM/SIGINT to the supervisor: pass it to the training process (an emergency checkpoint) and stop."""
+        """SIGTERM/SIGINT to the supervisor: the training process stops (see :meth:`_watch`), and so does this
+        rank. Only a flag here: store calls from a signal handler could interleave with the loop's own."""
         self.terminating = signum
-        if self._child is not None:
-            try:
-                os.kill(self._child, signum)
-            except ProcessLookupError:
-                pass
 
 
 def _warm_up() -> None:

@@ -3,7 +3,8 @@
 A schedule maps each rank to the actions it runs in order (:class:`Action`: stage, kind, minibatch, printed
 ``2F5``). Generators return compute-only schedules; :func:`add_updates` and :func:`add_communication` add
 the updates and the sends/receives; :func:`simulate` checks a schedule and predicts its step time and each
-rank's idle time from per-stage costs; :func:`render` draws it.
+rank's idle time from per-stage costs; :func:`render` draws it as text, :func:`save_trace` as a trace that
+``pipedream-timeline`` draws.
 """
 
 from .actions import Action, Kind, Schedule, compute_only, parse_action
@@ -17,6 +18,7 @@ from .render import render
 from .simulate import Span, Timeline, simulate
 from .straight import gpipe, one_f_one_b, pipedream, zb_h1
 from .tables import from_csv, load_csv, save_csv, to_csv
+from .trace import save_trace, to_trace
 from .updates import add_updates
 from .vshape import dualpipev, zbv
 
@@ -31,4 +33,5 @@ __all__ = [
     "loop_placement", "v_placement", "stage_to_rank",
     "simulate", "Span", "Timeline", "render",
     "to_csv", "from_csv", "save_csv", "load_csv",
+    "to_trace", "save_trace",
 ]
