@@ -3,8 +3,9 @@
 torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT`` and, under its
 elastic agent, ``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_USE_AGENT_STORE``.
-A supervisor (:func:`pipedream_ft.launch`) sets ``PIPEDREAM_FT_RECOVERY``, ``PIPEDREAM_FT_INCARNATION`` and
-``PIPEDREAM_FT_ROUND`` for the process it starts.
+A supervisor (:func:`pipedream_ft.launch`) sets ``PIPEDREAM_FT_RECOVERY``, ``PIPEDREAM_FT_INCARNATION``,
+``PIPEDREAM_FT_ROUND`` and ``PIPEDREAM_FT_SUPERVISOR`` for the process it starts. The user may set
+``PIPEDREAM_FT_LOG_DIR`` (where a crashed process's traceback goes, see :mod:`pipedream_ft.crashlog`).
 Every field can be overridden by keyword, so tests and notebooks need no environment at all.
 """
 
@@ -48,6 +49,11 @@ class DistEnv:
     """How many processes before this one held this rank in the current group (in-place recovery)."""
     live_round: str | None = None
     """The group this replacement process joins (in-place recovery; set by its supervisor)."""
+    supervisor: str | None = None
+    """The id of the supervisor that started this process (unique per supervisor process, on every node and in
+    every torchrun attempt): the store keys a supervisor reads are the ones its own processes wrote."""
+    log_dir: str | None = None
+    """Where a crashed process writes its full traceback (default ``./pipedream-ft-logs/<run id>``)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -83,6 +89,8 @@ _VARS = {
     "recovery": ("PIPEDREAM_FT_RECOVERY", str),
     "incarnation": ("PIPEDREAM_FT_INCARNATION", int),
     "live_round": ("PIPEDREAM_FT_ROUND", str),
+    "supervisor": ("PIPEDREAM_FT_SUPERVISOR", str),
+    "log_dir": ("PIPEDREAM_FT_LOG_DIR", str),
 }
 
 

@@ -7,8 +7,9 @@ import os
 import sys
 from typing import Any, Callable
 
-__all__ = ["EXIT_PREEMPTED", "EXIT_RECOVERY_FAILED", "EXIT_REPLAN", "EXIT_RUNTIME", "EXIT_SETUP", "JobError",
-           "PipelineError", "PipelineSetupError", "exit_on_error", "run_reporting_errors", "say"]
+__all__ = ["EXIT_PREEMPTED", "EXIT_RECOVERY_FAILED", "EXIT_REPLAN", "EXIT_RUNTIME", "EXIT_SETUP", "InvalidArgument",
+           "JobError", "PipelineError", "PipelineSetupError", "exit_on_error", "mark_training", "run_reporting_errors",
+           "say", "training_begun"]
 
 
 class PipelineError(RuntimeError):
@@ -17,6 +18,11 @@ class PipelineError(RuntimeError):
 
 class PipelineSetupError(PipelineError):
     """The pipeline cannot start: the same message is raised on every rank before training begins."""
+
+
+class InvalidArgument(PipelineSetupError, ValueError):
+    """A bad argument to a public call (e.g. ``trainer.fit``'s ``total``): the same on every rank, so a set-up
+    error (one line, :data:`EXIT_SETUP`, never a replacement); still a ``ValueError`` for callers that catch one."""
 
 
 class JobError(PipelineSetupError):
@@ -35,6 +41,21 @@ EXIT_RECOVERY_FAILED = 4
 """Exit status when the group could not be formed again in place (a full restart is needed)."""
 EXIT_REPLAN = 5
 """Exit status at a re-planning cut: the processes start again on the new plan (see :mod:`pipedream_ft.ft.replan`)."""
+
+
+_TRAINING = False
+
+
+def mark_training() -> None:
+    """Called by the trainer when this process starts training: an error from now on is a crash (the process may
+    be replaced), not a set-up error (see :mod:`pipedream_ft.crashlog`)."""
+    global _TRAINING
+    _TRAINING = True
+
+
+def training_begun() -> bool:
+    """Whether this process has started training (:func:`mark_training`)."""
+    return _TRAINING
 
 
 def say(line: str, stream: Any = None) -> None:
@@ -68,6 +89,7 @@ def run_reporting_errors(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> t
     from .ft.recovery import RecoveryFailed
     from .ft.replan import RePlanned
     from .pipeline.comm import PeerTimeoutError, ShapeMismatchError
+    from torch.distributed import DistError
 
     rank = os.environ.get("RANK", "0")
     try:
@@ -85,6 +107,14 @@ def run_reporting_errors(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> t
         if isinstance(exc, RePlanned):
             return EXIT_REPLAN, None
         return EXIT_RUNTIME, None
+    except DistError as exc:  # the job's store or a process group failed (a peer or torchrun's agent went away)
+        say(f"pipedream-ft: rank {rank}: {type(exc).__name__}: {_first_line(exc)}")
+        return EXIT_RUNTIME, None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0].strip() if lines else type(exc).__name__
 
 
 def exit_on_error(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -40,6 +40,7 @@ from pipedream_ft.checkpoint.storage import Buffers
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parents[1]
+KEY = b"the job's key, 32 bytes long...."
 
 
 def state_of(step: int) -> dict:
@@ -49,7 +50,7 @@ def state_of(step: int) -> dict:
 
 def python(code: str, *args: str) -> subprocess.Popen:
     """A real Python process running ``code`` (with the repository importable)."""
-    prelude = "import sys, os, json, time, signal, torch\nsys.path.insert(0, %r)\n" % str(ROOT)
+    prelude = "import sys, os, json, time, signal, torch\nsys.path.insert(0, %r)\nKEY = %r\n" % (str(ROOT), KEY)
     return subprocess.Popen([sys.executable, "-c", prelude + textwrap.dedent(code), *args], cwd=ROOT,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -67,12 +68,12 @@ def state_of(step):
 
 def test_memory_tier_outlives_the_writer_process_and_is_removed_at_job_end() -> None:
     job = f"test-{uuid.uuid4().hex[:10]}"
-    tier = MemoryTier(job)  # the real /dev/shm
-    assert tier.directory == f"/dev/shm/pdft-{job}"
+    tier = MemoryTier(job, key=KEY)  # the real /dev/shm
+    assert tier.directory.startswith(f"/dev/shm/pdft-{job}-")
     try:
         child = python(STATE_OF + """
 from pipedream_ft.checkpoint import MemoryTier, TierWriter, immutable
-tier = MemoryTier(sys.argv[1])
+tier = MemoryTier(sys.argv[1], key=KEY)
 w = TierWriter([tier], "stage0", keep=2)
 for step in (4, 5, 6):
     w.save(step, {**state_of(step), "w": immutable(state_of(step)["w"])})
@@ -95,7 +96,7 @@ os.kill(os.getpid(), signal.SIGKILL)
         same_state(got, state_of(6))
     finally:
         tier.destroy()
-    assert not os.path.exists(f"/dev/shm/pdft-{job}")
+    assert not os.path.exists(tier.directory)
 
 
 def test_peer_keeps_my_part_when_my_node_is_lost(tmp_path) -> None:
@@ -105,7 +106,7 @@ def test_peer_keeps_my_part_when_my_node_is_lost(tmp_path) -> None:
     job = "job-1"
     holder = python("""
 from pipedream_ft.checkpoint import MemoryTier, PeerServer
-server = PeerServer(MemoryTier(sys.argv[1], root=sys.argv[2]), timeout_s=5, token="s3cret").start()
+server = PeerServer(MemoryTier(sys.argv[1], key=KEY, root=sys.argv[2]), timeout_s=5, token="s3cret").start()
 print(json.dumps(server.address), flush=True)
 sys.stdin.read()  # serve until the test closes stdin
 """, job, str(nodes["node-a"]))
@@ -115,7 +116,8 @@ sys.stdin.read()  # serve until the test closes stdin
         rank = python(STATE_OF + """
 from pipedream_ft.checkpoint import MemoryTier, PeerTier, TierWriter
 address = tuple(json.loads(sys.argv[3]))
-w = TierWriter([MemoryTier(sys.argv[1], root=sys.argv[2]), PeerTier(address, timeout_s=5, token="s3cret")],
+w = TierWriter([MemoryTier(sys.argv[1], key=KEY, root=sys.argv[2]),
+                PeerTier(address, timeout_s=5, token="s3cret")],
                "stage1", keep=1)
 for step in (10, 20):
     h = w.save(step, state_of(step))
@@ -132,7 +134,7 @@ os.kill(os.getpid(), signal.SIGKILL)
         replacement = python(STATE_OF + """
 from pipedream_ft.checkpoint import MemoryTier, PeerTier, available_steps, load_newest
 address = tuple(json.loads(sys.argv[3]))
-tiers = [MemoryTier(sys.argv[1], root=sys.argv[2]), PeerTier(address, timeout_s=5, token="s3cret")]
+tiers = [MemoryTier(sys.argv[1], key=KEY, root=sys.argv[2]), PeerTier(address, timeout_s=5, token="s3cret")]
 have = available_steps(tiers, "stage1")
 step, name, state = load_newest(tiers, "stage1", sorted(set().union(*have.values())))
 ok = torch.equal(state["w"], state_of(step)["w"]) and state["step"] == step
@@ -143,7 +145,7 @@ print(json.dumps({"have": have, "step": step, "tier": name, "ok": ok}), flush=Tr
         result = json.loads(out.strip().splitlines()[-1])
         assert result == {"have": {"memory": [], "peer": [20]}, "step": 20, "tier": "peer", "ok": True}
         # the holder's node keeps the copy in its own shared memory (keep=1 pruned step 10 there too)
-        assert MemoryTier(job, root=str(nodes["node-a"])).steps(["stage1"]) == [20]
+        assert MemoryTier(job, key=KEY, root=str(nodes["node-a"])).steps(["stage1"]) == [20]
     finally:
         holder.kill()
         holder.communicate(timeout=10)
@@ -162,12 +164,12 @@ def test_peer_timeouts_refusals_and_a_dead_peer_do_not_stop_the_other_tiers(tmp_
         with pytest.raises(PeerError, match="timed out"):
             PeerClient(stuck.getsockname(), timeout_s=0.5).put(1, "a", b"x" * 10, checksum([b"x" * 10]))
         assert time.monotonic() - t0 < 5
-    shm = MemoryTier("j", root=str(tmp_path))
-    with PeerServer(MemoryTier("held", root=str(tmp_path)), token="t") as server:
+    shm = MemoryTier("j", key=KEY, root=str(tmp_path))
+    with PeerServer(MemoryTier("held", key=KEY, root=str(tmp_path)), token="t") as server:
         good = PeerClient(server.address, timeout_s=5, token="t")
         with pytest.raises(PeerError, match="refused put: CorruptCheckpointError"):
             good.put(1, "a", b"hello", checksum([b"other"]))
-        with pytest.raises(PeerError, match="bad token"):
+        with pytest.raises(PeerError, match="not signed with this job's token"):
             PeerClient(server.address, timeout_s=5, token="wrong").steps(["a"])
         with pytest.raises(PeerError, match="no part 'a' at step 1"):
             good.get(1, "a")
@@ -190,7 +192,7 @@ def test_restore_takes_the_newest_verifiable_tier(tmp_path) -> None:
     dw.save(10, state_of(10))
     assert dw.flush(10)
     dw.close()
-    shm = MemoryTier("job", root=str(tmp_path))
+    shm = MemoryTier("job", key=KEY, root=str(tmp_path))
     fast = TierWriter([shm], "a", keep=5)
     for s in (12, 14):
         fast.save(s, state_of(s))
@@ -203,7 +205,7 @@ def test_restore_takes_the_newest_verifiable_tier(tmp_path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(CorruptCheckpointError, match="checksum"):
+    with pytest.raises(CorruptCheckpointError, match="MAC under this job's key"):
         shm.get(14, "a")
     step, name, got = load_newest(tiers, "a", [10, 12, 14])  # type: ignore[misc]
     assert (step, name) == (12, "memory")
@@ -220,10 +222,12 @@ def test_restore_takes_the_newest_verifiable_tier(tmp_path) -> None:
 
 def test_memory_tier_validation_and_keep(tmp_path) -> None:
     with pytest.raises(ValueError, match="job must match"):
-        MemoryTier("../evil", root=str(tmp_path))
+        MemoryTier("../evil", key=KEY, root=str(tmp_path))
+    with pytest.raises(ValueError, match="key must be at least 16 bytes"):
+        MemoryTier("j", key=b"short", root=str(tmp_path))
     with pytest.raises(Exception, match="does not exist"):
-        MemoryTier("j", root=str(tmp_path / "missing"))
-    tier = MemoryTier("j", root=str(tmp_path))
+        MemoryTier("j", key=KEY, root=str(tmp_path / "missing"))
+    tier = MemoryTier("j", key=KEY, root=str(tmp_path))
     for s in (1, 2, 3):
         for part in ("a", "b"):
             tier.put(s, part, Buffers([b"x" * s]), checksum([b"x" * s]))

@@ -9,16 +9,23 @@ lost, its ranks' parts are still in their buddies' shared memory: the replacemen
 Protocol (one request per connection; every message is a 4-byte big-endian length, then that much JSON; a
 payload of ``size`` raw bytes follows the JSON where noted):
 
-* ``{"op": "put", "step", "part", "size", "checksum", "token"}`` + payload -> ``{"ok": true}``: the server
+* ``{"op": "put", "step", "part", "size", "checksum", "ts", "mac"}`` + payload -> ``{"ok": true}``: the server
   reads exactly ``size`` bytes, verifies the checksum and stores the part (so a torn transfer stores nothing);
-* ``{"op": "get", "step", "part", "token"}`` -> ``{"ok": true, "size", "checksum"}`` + payload;
-* ``{"op": "steps", "parts", "token"}`` -> ``{"ok": true, "steps": [...]}``;
-* ``{"op": "keep", "k", "parts", "token"}`` -> ``{"ok": true}``;
+* ``{"op": "get", "step", "part", "ts", "mac"}`` -> ``{"ok": true, "size", "checksum"}`` + payload;
+* ``{"op": "steps", "parts", "ts", "mac"}`` -> ``{"ok": true, "steps": [...]}``;
+* ``{"op": "keep", "k", "parts", "ts", "mac"}`` -> ``{"ok": true}``;
 * on any error -> ``{"ok": false, "error": "..."}``.
 
 Every socket operation has a timeout (``timeout_s``); a peer that is down or stuck fails the call with a
 :class:`PeerError` naming the address, it never blocks training (the :class:`~.tiers.TierWriter` thread calls
-it). ``token`` (optional, e.g. a per-job secret) must match the server's.
+it).
+
+``token`` (optional; the runtime passes :func:`peer_token` of the job's key) is a secret shared by the server
+and its clients; it never travels: each request carries ``ts`` (the sender's clock) and ``mac``, an HMAC-SHA256
+under the token of the request's fields, and the server refuses a request whose MAC does not verify or whose
+``ts`` is more than :data:`MAX_SKEW_S` away from its own clock (a replay). The connection is not encrypted:
+parts travel in the clear, and someone who can change traffic on the network could alter a payload in a way
+its checksum does not catch (use ``sha256`` checksums, or a private network).
 """
 
 from __future__ import annotations
@@ -30,16 +37,18 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 from typing import Any, Sequence
 
 from .checksum import Hasher, parse_checksum
 from .format import CheckpointError, CorruptCheckpointError, validate_part_name, validate_step
 from .reader import decode_verified
+from .private import mac
 from .shm import MemoryTier
 from .storage import Buffers
 from .tiers import Tier
 
-__all__ = ["PeerClient", "PeerError", "PeerServer", "PeerTier"]
+__all__ = ["MAX_SKEW_S", "PeerClient", "PeerError", "PeerServer", "PeerTier", "peer_token"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +56,20 @@ _LEN = struct.Struct(">I")
 _MAX_JSON = 1 << 20
 _MAX_PART = 1 << 40
 _CHUNK = 4 << 20
+
+
+MAX_SKEW_S = 300.0
+"""A request stamped further than this from the server's clock is refused (see the module docstring)."""
+
+
+def peer_token(key: bytes) -> str:
+    """The peer servers' shared secret, derived from the job's key."""
+    return mac(key, "pipedream-ft peer token")
+
+
+def _request_mac(token: str, req: dict[str, Any]) -> str:
+    body = json.dumps({k: v for k, v in req.items() if k != "mac"}, sort_keys=True)
+    return mac(token.encode(), "pipedream-ft peer request", body)
 
 
 class PeerError(CheckpointError):
@@ -138,8 +161,12 @@ class PeerServer:
         sock.settimeout(self.timeout_s)
         try:
             req = _recv_msg(sock)
-            if self.token is not None and not hmac.compare_digest(str(req.get("token", "")), self.token):
-                raise PermissionError("bad token")
+            if self.token is not None:
+                ts = req.get("ts")
+                if not hmac.compare_digest(str(req.get("mac", "")), _request_mac(self.token, req)):
+                    raise PermissionError("request not signed with this job's token")
+                if not isinstance(ts, (int, float)) or abs(time.time() - ts) > MAX_SKEW_S:
+                    raise PermissionError(f"request stamped {ts!r}, more than {MAX_SKEW_S:.0f}s from this clock")
             op = req.get("op")
             if op == "put":
                 self._put(sock, req)
@@ -198,7 +225,8 @@ class PeerClient:
     def _call(self, req: dict[str, Any], payload: Buffers | None = None,
               read_payload: bool = False) -> tuple[dict[str, Any], bytearray | None]:
         if self.token is not None:
-            req = {**req, "token": self.token}
+            req = {**req, "ts": time.time()}
+            req["mac"] = _request_mac(self.token, req)
         where = f"{self.address[0]}:{self.address[1]}"
         try:
             with socket.create_connection(self.address, timeout=self.timeout_s) as sock:

@@ -46,8 +46,8 @@ from profiler.profile import Profile
 
 from ..checkpoint import (CheckpointError, CheckpointWriter, CorruptCheckpointError, Storage, list_committed,
                           load_part, read_commit)
-from ..checkpoint.peer import PeerServer, PeerTier
-from ..checkpoint.shm import MemoryTier
+from ..checkpoint.peer import PeerServer, PeerTier, peer_token
+from ..checkpoint.shm import MemoryTier, UntrustedTierError
 from ..checkpoint.storage import Buffers
 from ..checkpoint.tiers import Tier
 from ..checkpoint.snapshot import immutable
@@ -220,17 +220,24 @@ class Checkpointer:
             log.info("memory checkpoint tier off: it needs torchrun's agent store or its --rdzv-id")
         if job is not None and config.memory_policy is not None:
             env = coordinator.env
-            self.memory_tier = MemoryTier(_job_name(job, self.plan_hash, env.node))
+            try:
+                self.memory_tier = MemoryTier(_job_name(job, self.plan_hash, env.node), key=coordinator.secret())
+            except UntrustedTierError as exc:  # another user's directory at the tier's path: never use it
+                if env.local_rank == 0:
+                    say(f"pipedream-ft: {exc}; the memory tier is off on this node")
+        if self.memory_tier is not None:
+            env = coordinator.env
             tiers: list[Tier] = [self.memory_tier]
             several_machines = env.ranks_per_node < env.world_size
             if config.peer_copy or (config.peer_copy is None and several_machines):
                 local = env.master_addr in ("127.0.0.1", "localhost", "::1")
+                token = peer_token(coordinator.secret())
                 self.peer_server = PeerServer(self.memory_tier, host="127.0.0.1" if local else "0.0.0.0",
-                                              token=job, timeout_s=config.commit_timeout_s).start()
+                                              token=token, timeout_s=config.commit_timeout_s).start()
                 host = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
                 coordinator.publish_peer_server(host, self.peer_server.address[1])
                 buddy = (env.rank + (env.ranks_per_node if several_machines else 1)) % env.world_size
-                self.buddy = _BuddyTier(lambda: coordinator.peer_server(buddy), token=job, timeout_s=10.0)
+                self.buddy = _BuddyTier(lambda: coordinator.peer_server(buddy), token=token, timeout_s=10.0)
                 tiers.append(self.buddy)
             # the writer keeps everything: :meth:`_collect_memory` deletes what every rank has a newer cut of
             self.memory = TierWriter(tiers, self.part, keep=1 << 30)
@@ -504,6 +511,9 @@ class Checkpointer:
                                  else self.config.commit_timeout_s)
             if flags & REPLAN:
                 raise RePlanned(f"re-planning: checkpoint {cut} saved; continuing on the new plan")
+            if self.memory_tier is not None and flags & DURABLE and self.writer is not None \
+                    and (self.writer.last_durable or -1) >= cut:  # the durable tier holds the emergency cut
+                self.memory_tier.leave()  # the last process of the node to stop removes the memory tier
             raise Preempted(f"preempted: checkpoint {cut} saved; stopping (resume redoes no update)")
 
     def _collect_memory(self) -> None:

@@ -26,6 +26,7 @@ refused``. So nothing is written at the top level:
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
@@ -38,7 +39,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.private import mac
 from ..env import DistEnv, read_env
+from .secret import job_secret
 from ..errors import PipelineError
 
 __all__ = ["Coordinator", "Epoch", "LiveGroup", "agree_on_round", "base_store", "init_distributed", "job_store",
@@ -111,6 +114,8 @@ class Coordinator:
         self.base = base_store(env, timeout_s)
         self.job = dist.PrefixStore(f"pipedream_ft/{env.run_id}/job/", self.base)
         self.epoch: Epoch | None = None
+        self._secret: bytes | None = None
+        self._forgeries: set[bytes] = set()
 
     def new_epoch(self) -> Epoch:
         """Agree with every rank on a fresh namespace for a new group (see :func:`agree_on_round`)."""
@@ -118,6 +123,13 @@ class Coordinator:
         round_id = agree_on_round(rounds, self.env.rank, self.env.world_size, self.timeout_s)
         self.epoch = Epoch(round_id, dist.PrefixStore(f"pipedream_ft/{self.env.run_id}/{round_id}/", self.base))
         return self.epoch
+
+    def secret(self) -> bytes:
+        """The job's key, the same in every process of the job (see :mod:`pipedream_ft.ft.secret`)."""
+        if self._secret is None:
+            self._secret = job_secret(job_id=self.job_id(), store=self.job,
+                                      single_node=self.env.ranks_per_node >= self.env.world_size)
+        return self._secret
 
     def job_id(self) -> str | None:
         """An id of this job, the same for every process of every attempt: it scopes what the job keeps on its
@@ -170,7 +182,7 @@ class Coordinator:
     def live_group(self, round_id: str) -> LiveGroup:
         """The in-place recovery keys of the group started in ``round_id``; published for this rank's supervisor."""
         self.job.set(KEY_ROUND.format(rank=self.env.rank, owner=round_owner(self.env)), round_id)
-        return LiveGroup(self.base, self.env.run_id, round_id)
+        return LiveGroup(self.base, self.env.run_id, round_id, key=self.secret())
 
     def live_epoch(self, round_id: str, epoch: int) -> Epoch:
         """The namespace of epoch ``epoch`` of the group started in ``round_id`` (its process groups live there)."""
@@ -200,15 +212,34 @@ class Coordinator:
 
     # -- preemption (epoch namespace) ----------------------------------------------------------------------
 
+    def _signed(self, what: str, text: str) -> str:
+        """``text`` signed for this epoch with the job's secret (see :meth:`_verified`)."""
+        assert self.epoch is not None
+        return f"{mac(self.secret(), 'pipedream-ft', what, self.env.run_id, self.epoch.id, text)} {text}"
+
+    def _verified(self, what: str, raw: bytes) -> str | None:
+        """The text of a record :meth:`_signed` for this epoch; ``None`` (logged once) if it was forged by
+        someone without the job's secret, or replayed from another epoch or job."""
+        sig, _, text = raw.decode(errors="replace").partition(" ")
+        if hmac.compare_digest(self._signed(what, text).partition(" ")[0].encode(), sig.encode()):
+            return text
+        if raw not in self._forgeries:
+            self._forgeries.add(raw)
+            log.warning("rank %d: ignoring a %s record not signed with the job's secret (%r): forged, or from "
+                        "another job", self.env.rank, what, raw[:80])
+        return None
+
     def announce_preemption(self) -> None:
         if self.epoch is not None:
-            self.epoch.store.set(KEY_PREEMPTED, str(self.env.rank))
+            self.epoch.store.set(KEY_PREEMPTED, self._signed(KEY_PREEMPTED, str(self.env.rank)))
 
     def preemption_announced(self) -> bool:
         if self.epoch is None:
             return False
         try:
-            return self.epoch.store.check([KEY_PREEMPTED])
+            if not self.epoch.store.check([KEY_PREEMPTED]):
+                return False
+            return self._verified(KEY_PREEMPTED, self.epoch.store.get(KEY_PREEMPTED)) is not None
         except Exception:  # a store problem must not stop training
             return False
 
@@ -219,7 +250,8 @@ class Coordinator:
         the first one published wins."""
         if self.epoch is not None:
             try:
-                self.epoch.store.compare_set(KEY_JOB_ERROR, "", f"rank {self.env.rank}: {message}")
+                self.epoch.store.compare_set(KEY_JOB_ERROR, "",
+                                             self._signed(KEY_JOB_ERROR, f"rank {self.env.rank}: {message}"))
             except Exception as exc:  # the store is gone: the peers stop on their own timeouts
                 log.warning("could not publish the error to the group: %s", exc)
 
@@ -229,7 +261,7 @@ class Coordinator:
             return None
         try:
             if self.epoch.store.check([KEY_JOB_ERROR]):
-                return self.epoch.store.get(KEY_JOB_ERROR).decode()
+                return self._verified(KEY_JOB_ERROR, self.epoch.store.get(KEY_JOB_ERROR))
         except Exception:
             return None
         return None
@@ -249,11 +281,20 @@ class Coordinator:
 
 class LiveGroup:
     """The store keys of in-place recovery in one group (see the module docstring); shared by the ranks'
-    processes and their supervisors. Every method is one or two store operations."""
+    processes and their supervisors. Every method is one or two store operations.
 
-    def __init__(self, base: dist.Store, run_id: str, round_id: str) -> None:
+    ``key`` is the job's secret (:mod:`pipedream_ft.ft.secret`): eviction records are signed with it (over the
+    run, the round, the rank and the incarnation, so a record cannot be forged without it nor replayed for
+    another process or group), and one that does not verify is ignored (logged once)."""
+
+    def __init__(self, base: dist.Store, run_id: str, round_id: str, *, key: bytes) -> None:
+        if not isinstance(key, bytes) or len(key) < 16:
+            raise ValueError("key must be the job's secret (at least 16 bytes)")
+        self.run_id = run_id
         self.round_id = round_id
+        self.key = key
         self.store = dist.PrefixStore(f"pipedream_ft/{run_id}/{round_id}/live/", base)
+        self._forgeries: set[bytes] = set()
 
     @staticmethod
     def published_round(base: dist.Store, run_id: str, rank: int, owner: str) -> str | None:
@@ -347,13 +388,30 @@ class LiveGroup:
         incarnation, when = self.store.get(key).decode().split()
         return int(incarnation), time.time() - float(when)
 
+    def _eviction_mac(self, rank: int, incarnation: int) -> str:
+        return mac(self.key, "pipedream-ft eviction", self.run_id, self.round_id, rank, incarnation)
+
     def evict(self, rank: int, incarnation: int) -> None:
-        """Ask ``rank``'s supervisor to kill incarnation ``incarnation`` (it stopped answering) and replace it."""
-        self.store.set(KEY_EVICT.format(rank=rank), str(incarnation))
+        """Ask ``rank``'s supervisor to kill incarnation ``incarnation`` (it stopped answering) and replace it
+        (a signed record: ``"<incarnation> <mac>"``)."""
+        self.store.set(KEY_EVICT.format(rank=rank), f"{incarnation} {self._eviction_mac(rank, incarnation)}")
 
     def evicted(self, rank: int) -> int | None:
+        """The incarnation of ``rank`` the group evicted, if a genuine record says so; a forged, unsigned or
+        replayed record is ignored (and logged once)."""
         key = KEY_EVICT.format(rank=rank)
-        return int(self.store.get(key)) if self.store.check([key]) else None
+        if not self.store.check([key]):
+            return None
+        raw = self.store.get(key)
+        incarnation, _, sig = raw.decode(errors="replace").partition(" ")
+        if incarnation.isdigit() and hmac.compare_digest(sig.encode(),
+                                                         self._eviction_mac(rank, int(incarnation)).encode()):
+            return int(incarnation)
+        if raw not in self._forgeries:
+            self._forgeries.add(raw)
+            log.warning("rank %d: ignoring an eviction record not signed with the job's secret (%r): forged, "
+                        "or from another job", rank, raw[:80])
+        return None
 
 
 def round_owner(env: DistEnv) -> str:

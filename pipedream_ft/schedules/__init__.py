@@ -12,6 +12,7 @@ from .catalog import SCHEDULES, Built, build
 from .comms import add_communication
 from .costs import Costs
 from .errors import ScheduleError
+from .memory import peak_in_flight
 from .looped import interleaved_1f1b, interleaved_zero_bubble, looped_bfs
 from .placement import loop_placement, stage_to_rank, v_placement
 from .render import render
@@ -31,7 +32,7 @@ __all__ = [
     "interleaved_1f1b", "interleaved_zero_bubble", "looped_bfs",
     "zbv", "dualpipev",
     "loop_placement", "v_placement", "stage_to_rank",
-    "simulate", "Span", "Timeline", "render",
+    "simulate", "Span", "Timeline", "render", "peak_in_flight",
     "to_csv", "from_csv", "save_csv", "load_csv",
     "to_trace", "save_trace",
 ]
