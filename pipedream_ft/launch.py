@@ -70,6 +70,10 @@ def launch(main: Callable[..., Any], *args: Any, recovery: str | None = None, ma
             code = crashed(mine, exc)
         finally:
             release_all()
+        if code in (0, EXIT_SETUP):  # the job is over for good: its memory-tier parts would only fill RAM
+            from .checkpoint.shm import leave_all
+
+            leave_all()
         return code
 
     if mode == "in-place":

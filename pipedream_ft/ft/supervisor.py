@@ -36,7 +36,7 @@ from typing import Callable
 
 from ..env import DistEnv
 from ..errors import EXIT_RECOVERY_FAILED, EXIT_REPLAN, EXIT_SETUP, say
-from .coordination import FORMED, LiveGroup, base_store
+from .coordination import FORMED, Coordinator, LiveGroup, base_store
 
 __all__ = ["Supervisor"]
 
@@ -188,10 +188,12 @@ class Supervisor:
             try:
                 base = base_store(self.env, self.timeout_s)
                 round_id = LiveGroup.published_round(base, self.env.run_id, self.env.rank, self.id)
+                if round_id is not None:  # the job's secret verifies the group's eviction records
+                    key = Coordinator(self.env, self.timeout_s).secret()
             except Exception:  # no store yet or any more
                 return None
             if round_id is not None:
-                self._live = LiveGroup(base, self.env.run_id, round_id)
+                self._live = LiveGroup(base, self.env.run_id, round_id, key=key)
         return self._live
 
     def _recovering(self) -> bool:
