@@ -6,12 +6,14 @@ from pipedream_ft.schedules import Action, Kind, compute_only, parse_action
 
 pytestmark = pytest.mark.timeout(60)
 
-actions = st.builds(Action, stage=st.integers(0, 10**6), kind=st.sampled_from(list(Kind)), index=st.integers(0, 10**6))
+actions = st.builds(Action, stage=st.integers(0, 10**6), kind=st.sampled_from(list(Kind)),
+                    index=st.integers(0, 10**6))
 
 
 def test_prints_compactly():
-    assert [str(a) for a in (Action(2, Kind.F, 5), Action(1, Kind.I, 0), Action(0, Kind.W, 3), Action(1, Kind.SEND_F, 2),
-                             Action(3, Kind.RECV_B, 11), Action(0, Kind.U, 7), Action(12, Kind.B, 0))] == [
+    assert [str(a) for a in (Action(2, Kind.F, 5), Action(1, Kind.I, 0), Action(0, Kind.W, 3),
+                             Action(1, Kind.SEND_F, 2), Action(3, Kind.RECV_B, 11), Action(0, Kind.U, 7),
+                             Action(12, Kind.B, 0))] == [
         "2F5", "1I0", "0W3", "1SEND_F2", "3RECV_B11", "0U7", "12B0"]
     assert repr([Action(0, "F", 1)]) == "[0F1]"
 

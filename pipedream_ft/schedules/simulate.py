@@ -68,7 +68,8 @@ def simulate(schedule: Schedule, costs: Costs | None = None, placement: Mapping[
     for r, lst in acts.items():
         for a in lst:
             if placement.get(a.stage) != r:
-                raise ScheduleError(f"{a} is on rank {r} but stage {a.stage} is placed on rank {placement.get(a.stage)}")
+                raise ScheduleError(f"{a} is on rank {r} but stage {a.stage} is placed on rank "
+                                    f"{placement.get(a.stage)}")
     if costs is None:
         costs = Costs.uniform(max(len(placement), 1))
     lowered = any(a.kind in COMMUNICATION for lst in acts.values() for a in lst)
