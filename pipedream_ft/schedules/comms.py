@@ -49,7 +49,7 @@ def add_communication(schedule: Schedule, placement: Mapping[int, int] | None = 
                                     f"{placement.get(a.stage)}")
     out: dict[int, list[Action]] = {r: [] for r in queues}
     have: dict[int, set[Action]] = {r: set() for r in queues}
-    last = max(placement)
+    last = max(placement, default=0)
 
     def needs(a: Action) -> tuple[Action, ...]:
         """Any one of these, already on the rank, lets ``a`` run (its input, local or received)."""
