@@ -59,7 +59,7 @@ from .pipeline.comm import Messenger, PeerTimeoutError
 from .pipeline.data import CallableFeed, DataComponent, StreamFeed, target_links, training_feed
 from .pipeline.evaluate import EvalResult, MetricFn, evaluate
 from .pipeline.executor import DataFn, Executor, RankStats
-from .pipeline.export import save_model
+from .pipeline.export import pretrained_of, save_model, save_pretrained
 from .pipeline.group import CommGroup
 from .pipeline.hooks import HookList, Hooks
 from .pipeline.modes import MODES, Mode, make_mode
@@ -199,6 +199,7 @@ class PipelineTrainer:
         if tied_parameters:
             tie_declared(model, tied_parameters)
         ml = model_layers(model)
+        self._pretrained = pretrained_of(model)  # a transformers model's config, for save_pretrained
         model_hash = None
         if config.check_model_hash:
             from profiler.layers import structure_profile
@@ -703,6 +704,13 @@ class PipelineTrainer:
         (``torch.save``) or ``"safetensors"``; the plain model's ``load_state_dict(strict=True)`` accepts the
         file (see :mod:`pipedream_ft.pipeline.export`). A collective."""
         save_model(self.messenger, self.state.module, replica=self.topo.replica, path=path, format=format)
+
+    def save_pretrained(self, directory: str, max_shard_bytes: int = 5 * 10**9) -> None:
+        """Write the whole model as a Hugging Face directory (config and safetensors shards) that
+        ``AutoModelForCausalLM.from_pretrained(directory)`` loads with no missing or unexpected keys (see
+        :func:`pipedream_ft.pipeline.export.save_pretrained`); for transformers models. A collective."""
+        save_pretrained(self.messenger, self.state.module, replica=self.topo.replica, directory=directory,
+                        pretrained=self._pretrained, max_shard_bytes=max_shard_bytes)
 
     def close(self) -> None:
         """Wait for pending checkpoint commits, stop the background threads, close the traces, and shut this

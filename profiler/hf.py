@@ -39,10 +39,14 @@ from torch import nn
 from .hf_families import FAMILIES, Family, family_of
 from .layers import fetch_attr
 
-__all__ = ["CausalLMForPipeline", "GPT2ForPipeline", "INPUTS", "for_pipeline", "gpt2_for_pipeline"]
+__all__ = ["CausalLMForPipeline", "GPT2ForPipeline", "IGNORE_INDEX", "INPUTS", "causal_lm_loss", "for_pipeline",
+           "gpt2_for_pipeline"]
 
 INPUTS = ("input_ids", "attention_mask", "position_ids")
 """The inputs a wrapper may take, in the order its forward takes them (``input_ids`` always first)."""
+
+IGNORE_INDEX = -100
+"""Label of a position that counts in no loss (padding), as in transformers."""
 
 _MARK = "pipeline_layer_inputs"
 """Keyword the wrapper's layer calls carry so that the pre-hook knows the call is its to complete."""
@@ -99,6 +103,9 @@ class CausalLMForPipeline(nn.Module):
         for name, child in model.named_children():
             self.add_module(name, child)
         self.pipeline_family = family
+        self.config = model.config
+        """The HF model's config (what ``trainer.save_pretrained`` writes beside the weights)."""
+        self.pipeline_tied_weights_keys: dict[str, str] = dict(getattr(model, "_tied_weights_keys", None) or {})
         layers = fetch_attr(self, family.layers)
         leaves = [type(layer) for layer in layers] + [type(fetch_attr(self, family.embed))]
         for part in (family.norm, family.positions):
@@ -224,3 +231,12 @@ def gpt2_for_pipeline(model: nn.Module) -> CausalLMForPipeline:
     if not isinstance(model, GPT2LMHeadModel):
         raise TypeError(f"gpt2_for_pipeline needs a transformers.GPT2LMHeadModel, got {type(model).__name__}")
     return for_pipeline(model)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy as transformers' ``model(..., labels=labels).loss`` computes it: the logits at
+    position ``t`` predict ``labels[:, t + 1]``; labels equal to :data:`IGNORE_INDEX` (padding) count in nothing;
+    the mean over the counted positions. A ``loss_fn`` for the trainer with dict minibatches' ``"labels"``."""
+    vocab = logits.size(-1)
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), labels[:, 1:].reshape(-1),
+                                       ignore_index=IGNORE_INDEX)

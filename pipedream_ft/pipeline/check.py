@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 from partitioner.plan import Plan
 
 from ..errors import PipelineSetupError
-from .crossing import Structure
+from .crossing import outgoing
 from .stage import build_stage, model_layers
 
 __all__ = ["check_plan"]
@@ -57,12 +57,10 @@ def check_plan(model: nn.Module, plan: Plan, inputs: Sequence[Any], *, atol: flo
         if s == plan.num_stages - 1:
             graphs.append((received, []))
             break
-        sent = list(out)
-        bad = [n for n, v in zip(stage.output_names, sent)
-               if not any(isinstance(x, torch.Tensor) for x in tree_leaves(v))]
-        if bad:
-            raise PipelineSetupError(f"stage {s} would send values holding no tensor: {bad}")
-        structure, tensors = Structure.split(sent)
+        crossing = outgoing(list(out), stage.output_names)
+        if isinstance(crossing, list):
+            raise PipelineSetupError(f"stage {s} would send values holding no tensor: {crossing}")
+        structure, tensors = crossing
         graphs.append((received, tensors))
         received = [_detach(t) for t in tensors]
         values = structure.join(received)

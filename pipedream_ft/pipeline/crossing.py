@@ -19,7 +19,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten, treespec
 
 from .comm import ShapeMismatchError
 
-__all__ = ["Structure"]
+__all__ = ["Structure", "outgoing", "without_tensor"]
 
 
 @dataclass(frozen=True)
@@ -74,3 +74,17 @@ def _structure(spec: str, constants: tuple[tuple[int, Any], ...], plain: bool) -
 def _describe(s: Structure) -> str:
     consts = ", ".join(f"leaf {i} = {v!r}" for i, v in s.constants[:4])
     return f"{s.spec.num_leaves} leaves" + (f" ({consts})" if consts else "")
+
+
+def without_tensor(values: Sequence[Any], names: Sequence[str]) -> list[str]:
+    """Names of the ``values`` that hold no tensor at all (those must never cross: the stages recompute them)."""
+    return [n for n, v in zip(names, values)
+            if not isinstance(v, torch.Tensor) and not any(isinstance(x, torch.Tensor) for x in tree_flatten(v)[0])]
+
+
+def outgoing(values: Sequence[Any], names: Sequence[str]) -> tuple[Structure, list[torch.Tensor]] | list[str]:
+    """What a stage sends for ``values`` (its outputs, named ``names``): their structure and tensor leaves, as
+    training, the pre-flight, :func:`~pipedream_ft.pipeline.check.check_plan` and evaluation all send them —
+    or, if some hold no tensor, their names (the caller raises its own error naming them)."""
+    bad = without_tensor(values, names)
+    return bad if bad else Structure.split(values)

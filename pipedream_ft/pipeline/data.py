@@ -27,6 +27,12 @@ source before its first read. A source attached at position ``p`` without a save
 later position, or a checkpoint written while a callable fed the run) is read from its start and its first
 ``p`` minibatches are skipped.
 
+**Minibatches as users write them.** A minibatch is an ``(inputs, targets)`` pair or a Hugging Face-style dict
+(``{"input_ids": ..., "attention_mask": ..., "labels": ...}``, a tokenizer's ``BatchEncoding``): its
+``"labels"`` are the targets and its other entries the inputs, bound to the model's inputs by name
+(:func:`bind_inputs`). The inputs of a pair are one tensor for a one-input model, or a tuple/list for a model
+with several positional inputs (``data(b) -> ((input_ids, attention_mask), labels)``), or a dict by name.
+
 A source that has ``len()`` is checked before training: asking for more minibatches than it has stops every
 rank with one line. One without ``len()`` that runs out mid-training raises a
 :class:`~pipedream_ft.errors.JobError` on stage 0 naming how many minibatches it gave: every rank stops with
@@ -37,7 +43,8 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -49,7 +56,8 @@ from .schedule import in_flight
 from .sources import describe, is_stateful, resume_problem, source_length, wrap
 from .topology import Topology
 
-__all__ = ["CallableFeed", "DataComponent", "StreamFeed", "agree", "make_feed", "pack_targets",
+__all__ = ["LABELS", "CallableFeed", "DataComponent", "StreamFeed", "agree", "bind_inputs", "make_feed",
+           "pack_targets", "split_batch",
            "source_problem", "target_links", "training_feed", "unpack_targets"]
 
 _FAILED = 1
@@ -73,10 +81,10 @@ class CallableFeed:
         """Nothing to move: the last stage calls ``data`` itself."""
 
     def inputs(self, b: int, *, preflight: bool = False) -> Any:
-        return self.source(b)[0]
+        return split_batch(self.source(b), b, describe(self.source))[0]
 
     def targets(self, b: int, *, preflight: bool = False) -> Any:
-        return self.source(b)[1]
+        return split_batch(self.source(b), b, describe(self.source))[1]
 
 
 def pack_targets(targets: Any, device: torch.device) -> list[torch.Tensor]:
@@ -107,11 +115,43 @@ def target_links(topo: Topology) -> list[tuple[int, str]]:
     return [(r, "tgt") for i, r in enumerate(topo.plan.stages[other].ranks) if i % g == topo.replica % g]
 
 
-def _split(batch: Any, b: int, name: str) -> tuple[Any, Any]:
+LABELS = "labels"
+"""The entry of a dict minibatch that holds its targets (Hugging Face's name)."""
+
+
+def split_batch(batch: Any, b: int, name: str) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of minibatch ``b`` (a pair, or a dict whose ``"labels"`` are the targets)."""
+    if isinstance(batch, Mapping):
+        if LABELS not in batch:
+            raise PipelineSetupError(f"minibatch {b} of data source {name} is a dict without {LABELS!r} (its keys: "
+                                     f"{sorted(batch)}); a dict minibatch holds the inputs by name and the targets "
+                                     f"as {LABELS!r}")
+        return {k: v for k, v in batch.items() if k != LABELS}, batch[LABELS]
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise PipelineSetupError(f"minibatch {b} of data source {name} is a {describe(batch)}, not an "
-                                 "(inputs, targets) pair")
+                                 "(inputs, targets) pair or a dict with 'labels'")
     return batch[0], batch[1]
+
+
+_split = split_batch
+
+
+def bind_inputs(inputs: Any, names: Sequence[str]) -> list[Any]:
+    """The model's positional inputs ``names`` from a minibatch's inputs: one value (one input), a tuple/list in
+    order, or a dict by name. Raises :class:`PipelineSetupError` naming what does not match."""
+    if isinstance(inputs, Mapping):
+        missing = [n for n in names if n not in inputs]
+        extra = sorted(str(k) for k in inputs if k not in names)
+        if missing or extra:
+            raise PipelineSetupError(
+                f"the model takes inputs {list(names)}, but the minibatch's dict "
+                + (f"lacks {missing}" if missing else "") + (" and " if missing and extra else "")
+                + (f"has {extra} besides" if extra else ""))
+        return [inputs[n] for n in names]
+    vals = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+    if len(vals) != len(names):
+        raise PipelineSetupError(f"the model takes {len(names)} inputs {list(names)}, but the data gives {len(vals)}")
+    return vals
 
 
 class StreamFeed:

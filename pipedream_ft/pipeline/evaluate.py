@@ -12,7 +12,10 @@ and, optionally, ``metric_fn(outputs, targets)``. Semantics:
   evaluations in between trains bitwise like one without, and checkpoints resume exactly;
 * forwards run under the training's autocast (mixed precision), without loss scaling;
 * shapes may differ from training's and from minibatch to minibatch (a last partial batch): evaluation traffic
-  has its own variable-shape channels (``"eval"``, ``"eval-tgt"``, see :mod:`pipedream_ft.pipeline.comm`).
+  has its own variable-shape channels (``"eval"``, ``"eval-tgt"``, see :mod:`pipedream_ft.pipeline.comm`);
+* the values crossing stages are what training sends (:func:`~pipedream_ft.pipeline.crossing.outgoing`): tensors,
+  or tuples, lists and dicts of tensors and constants (an HF block's ``(hidden, None)``, a RoPE ``(cos, sin)``),
+  each minibatch's structure sent ahead of its tensors.
 
 The source is read as in training (:mod:`pipedream_ft.pipeline.data`): a callable ``data(b)``, or an iterable
 (a DataLoader...) that stage 0 iterates afresh on each call, once per minibatch, sending the targets to the
@@ -28,6 +31,7 @@ import torch
 
 from ..errors import PipelineError
 from .comm import Header
+from .crossing import outgoing
 from .data import StreamFeed, agree, make_feed, source_problem
 from .executor import Executor
 
@@ -85,7 +89,10 @@ def evaluate(ex: Executor, data: Any, steps: int, metric_fn: MetricFn | None = N
                 if topo.is_first:
                     inputs = ex._model_inputs(feed.inputs(b))
                 else:
-                    _, inputs = messenger.post_activations(topo.peer(topo.stage - 1, b), b, "eval").wait()
+                    peer = topo.peer(topo.stage - 1, b)
+                    structure = messenger.recv_object(peer)
+                    _, leaves = messenger.post_activations(peer, b, "eval").wait()
+                    inputs = structure.join(leaves)
                 with ex.autocast():
                     out = module(*inputs)
                 if topo.is_last:
@@ -95,11 +102,13 @@ def evaluate(ex: Executor, data: Any, steps: int, metric_fn: MetricFn | None = N
                     metric = _plain(metric_fn(out, targets)) if metric_fn is not None else None
                     records.append((b, float(loss), metric))
                 else:
-                    outs = list(out)
-                    bad = [n for n, t in zip(module.output_names, outs) if not isinstance(t, torch.Tensor)]
-                    if bad:
-                        raise PipelineError(f"only tensors can cross stages; {bad} are not tensors")
-                    messenger.send_activations(topo.peer(topo.stage + 1, b), Header(b), outs, "eval")
+                    crossing = outgoing(list(out), module.output_names)
+                    if isinstance(crossing, list):
+                        raise PipelineError(f"values holding no tensor cannot cross stages: {crossing}")
+                    structure, outs = crossing
+                    peer = topo.peer(topo.stage + 1, b)
+                    messenger.send_object(peer, structure)
+                    messenger.send_activations(peer, Header(b), outs, "eval")
         messenger.flush()
     finally:
         module.train(was_training)

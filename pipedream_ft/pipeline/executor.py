@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_leaves
 from ..errors import PipelineSetupError
 from .comm import Header, Messenger, RecvHandle, TensorSpec
 from .crossing import Structure
+from .data import bind_inputs
 from .hooks import Hooks
 from .modes import Mode
 from .state import StageState
@@ -182,11 +183,7 @@ class Executor:
         return value
 
     def _model_inputs(self, inputs: Any) -> list[Any]:
-        names = self.state.module.input_names
-        vals = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
-        if len(vals) != len(names):
-            raise PipelineSetupError(f"the model takes {len(names)} inputs {names}, but the data gives {len(vals)}")
-        return self._to_device(vals)
+        return self._to_device(bind_inputs(inputs, self.state.module.input_names))  # a tuple, a value or a dict
 
     # -- pre-flight -----------------------------------------------------------------------------------------
 
