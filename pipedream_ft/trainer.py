@@ -46,7 +46,7 @@ from .errors import InvalidArgument, JobError, PipelineSetupError, mark_training
 from .checkpoint import CheckpointError
 from .ft.checkpointer import CheckpointConfig, Checkpointer, plan_hash
 from .ft.coordination import LiveGroup
-from .ft.recovery import Formed, Heartbeat, Membership
+from .ft.recovery import Formed, Heartbeat, Membership, heartbeat_connection
 from .ft.replan import Measurement, RePlanPolicy, consider, load_replanned, store_replanned
 from .ft.coordination import Coordinator
 from .ft.elastic import describe_plan, load_stored_profile, replan
@@ -60,7 +60,7 @@ from .pipeline.data import CallableFeed, DataComponent, StreamFeed, target_links
 from .pipeline.evaluate import EvalResult, MetricFn, evaluate
 from .pipeline.executor import DataFn, Executor, RankStats
 from .pipeline.export import pretrained_of, save_model, save_pretrained
-from .pipeline.group import CommGroup
+from .pipeline.group import CommGroup, GroupError
 from .pipeline.hooks import HookList, Hooks
 from .pipeline.modes import MODES, Mode, make_mode
 from .pipeline.precision import LossScale, LossScaler, autocast_context, check_autocast
@@ -341,7 +341,15 @@ class PipelineTrainer:
         self.membership = Membership(live, rank=self.env.rank, world_size=self.env.world_size,
                                      incarnation=self.env.incarnation, fingerprint=self.fingerprint,
                                      timeout_s=self.config.recovery_timeout_s, on_join=lambda epoch: self.faults.at_join(self.env.restart_count + epoch))
-        self._heartbeat = Heartbeat(live, self.env.rank, self.env.incarnation)
+        # what exists now lives as long as the process: set it aside from garbage collection, so that a recovery's
+        # gc.collect() (and Python's own full collections), which hold the GIL and with it the heartbeat thread, only
+        # look at what came later (a full collection over torch's objects takes about a second)
+        gc.freeze()
+        # the heartbeat thread has a store connection of its own: a wait of the training thread's (a process group
+        # being connected) must not hold up its beats or its watch over the peers'
+        beats = LiveGroup(heartbeat_connection(self.env, self.config.recovery_timeout_s), self.env.run_id, round_id,
+                          key=self.coordinator.secret())
+        self._heartbeat = Heartbeat(beats, self.env.rank, self.env.incarnation, world_size=self.env.world_size)
         return live
 
     def _start_replanning(self, policy: RePlanPolicy) -> None:
@@ -386,14 +394,14 @@ class PipelineTrainer:
         say(f"pipedream-ft: {msg}", sys.stdout)
         return True
 
-    def _make_group(self, store: Any) -> CommGroup:
-        """This epoch's process groups, in namespace ``store``."""
+    def _make_group(self, store: Any, cancelled: Callable[[], bool] | None = None) -> CommGroup:
+        """This epoch's process groups, in namespace ``store`` (see :class:`CommGroup` for ``cancelled``)."""
         topo = self.topo
         group = CommGroup(store, rank=self.env.rank, world_size=self.env.world_size, backend=self.backend,
                           device=self.device, timeout_s=self.config.timeout_s,
                           links=(topo.links() + target_links(topo) + (self.state.tied.links() if self.state.tied else []))
                           if self.backend == "nccl" else (),
-                          replica_ranks=topo.stage_ranks if len(topo.stage_ranks) > 1 else None)
+                          replica_ranks=topo.stage_ranks if len(topo.stage_ranks) > 1 else None, cancelled=cancelled)
         self.timeline["joined"] = time.time()
         log.info("rank %d/%d joined (%s, restart %d, process %d)", self.env.rank, self.env.world_size,
                  self.backend, self.env.restart_count, self.env.incarnation)
@@ -448,7 +456,16 @@ class PipelineTrainer:
                 continue
             assert part is not None and self.membership.live is not None
             epoch = self.coordinator.live_epoch(self.membership.live.round_id, formed.epoch)
-            self._attach(self._make_group(epoch.store))
+            assert self._heartbeat is not None
+            beats = self._heartbeat.live  # not the connection the groups are being connected through
+            self.faults.at_join(self.env.restart_count + formed.epoch, "connect")
+            try:
+                group = self._make_group(epoch.store, cancelled=lambda: beats.failures() > formed.epoch)
+            except GroupError as exc:  # a peer failed meanwhile: form the next epoch
+                log.warning("rank %d: epoch %d failed while connecting: %s", self.env.rank, formed.epoch, exc)
+                self.membership.live.report_failure(formed.epoch)
+                continue
+            self._attach(group)
             self.state.restore(part)
             ckpt.restored(formed.cut)
             self.faults.set_attempt(self.env.restart_count + formed.epoch)

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +37,36 @@ def torchrun(tmp: Path, faults: str = "", *extra: str, timeout: float = 240) -> 
            "--memory-every", str(MEMORY_EVERY), "--out", str(out), "--sleep-ms", "5", "--timeout", "8", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PIPEDREAM_FT_FAULTS=faults, PIPEDREAM_FT_RECOVERY="in-place")
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout), out
+
+
+def torchrun_watched(tmp: Path, faults: str, *extra: str, on_line=None, timeout: float = 240
+                     ) -> tuple[subprocess.CompletedProcess, Path, list[tuple[float, str]]]:
+    """:func:`torchrun`, reading the output as it comes: every line with the time it came (``time.monotonic``),
+    and ``on_line(line)`` called for each."""
+    out = tmp / "final.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--max-restarts=0",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--monitor-interval", "0.5",
+           str(WORKER), "--ckpt", str(tmp / "ckpt"), "--total", str(TOTAL), "--every", str(EVERY),
+           "--memory-every", str(MEMORY_EVERY), "--out", str(out), "--sleep-ms", "5", "--timeout", "8", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PIPEDREAM_FT_FAULTS=faults, PIPEDREAM_FT_RECOVERY="in-place")
+    lines: list[tuple[float, str]] = []
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append((time.monotonic(), line))
+            if on_line is not None:
+                on_line(line)
+        proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = "".join(line for _, line in lines)
+    return subprocess.CompletedProcess(cmd, proc.returncode, text, ""), out, lines
 
 
 def summary(proc: subprocess.CompletedProcess, out: Path) -> dict:
@@ -118,3 +152,90 @@ def test_a_source_that_ends_stops_every_rank_with_one_line(tmp_path):
     assert lines == ["pipedream-ft: error: data source EndingSource ended after 22 minibatches "
                      "(minibatch 22 was needed)"], log[-4000:]
     assert "exitcode  : 2" in log and "pipedream_ft/" not in log, log[-4000:]  # no traceback from the library
+
+
+def _processes(out: Path) -> dict[int, list[int]]:
+    """The pids of every training process that got as far as training, by rank (ft_worker's ``.ranks`` file)."""
+    pids: dict[int, list[int]] = {}
+    for line in Path(str(out) + ".ranks").read_text().splitlines():
+        row = json.loads(line)
+        pids.setdefault(row["rank"], []).append(row["pid"])
+    return pids
+
+
+def test_a_replacement_that_dies_while_the_group_connects_is_the_only_process_replaced(reference, tmp_path):
+    """Rank 2 is killed; its replacement dies too, as the others wait for it to connect the new epoch's groups.
+    The others must not wait out their timeout in the connection (and then crash), nor look silent meanwhile
+    (their heartbeats must not queue behind that wait): only rank 2 is replaced, twice; nobody is evicted."""
+    info = summary(*torchrun(tmp_path, "kill@rank=2,step=21;connect@rank=2,step=0,attempt=1"))
+    log = info["log"]
+    assert "injecting fault connect" in log, log[-4000:]
+    died = re.findall(r"rank (\d+): training process died", log)
+    assert died == ["2", "2"], log[-6000:]
+    assert "stopped beating" not in log and "stopped answering" not in log and "evicted" not in log, log[-6000:]
+    pids = _processes(tmp_path / "final.pt")
+    assert {r: len(p) for r, p in pids.items()} == {0: 1, 1: 1, 2: 2, 3: 1}, pids  # the others kept their process
+    assert_bitwise(tmp_path / "final.pt", reference)
+
+
+def test_a_hung_rank_is_found_by_its_heartbeat_whatever_the_timeout(reference, tmp_path):
+    """A SIGSTOPped rank with a 60 s operation timeout: the peers' heartbeat watch evicts it within about a second
+    (its supervisor kills it, every rank fails over at once), so the recovery cannot have waited for the
+    timeout."""
+    proc, out, lines = torchrun_watched(tmp_path, "hang@rank=3,step=21", "--timeout", "60")
+    info = summary(proc, out)
+    log = info["log"]
+    assert re.search(r"rank 3 \(process 0\) stopped beating", log), log[-4000:]
+    assert re.findall(r"rank (\d+): training process died", log) == ["3"], log[-6000:]
+    assert_bitwise(out, reference)
+    hung = next(t for t, line in lines if "injecting fault hang" in line)
+    recovered = next(t for t, line in lines if line.startswith("pipedream-ft: recovered in place"))
+    assert recovered - hung < 30, (recovered - hung, log[-4000:])  # an operation's timeout alone is 60 s
+
+
+def test_a_replacement_killed_again_soon_after_is_the_only_process_replaced(reference, tmp_path):
+    """The issue's double kill, from outside: rank 2 is killed at minibatch 21 and its replacement 0.4 s after it
+    was started, wherever the others are then (forming, restoring, connecting). Only rank 2 is replaced; the
+    others keep their processes; the weights are the uninterrupted run's."""
+    killed: list[int] = []
+
+    def on_line(line: str) -> None:
+        if "rank 2: training process died" in line and "starting replacement 1" in line and not killed:
+            deadline = time.monotonic() + 30
+            pid = None
+            while pid is None and time.monotonic() < deadline:  # the supervisor has forked it, or is about to
+                pid = _newest_child_of_rank(tmp_path, 2)
+                time.sleep(0.005)
+            assert pid is not None, "no replacement process found"
+            time.sleep(0.4)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    proc, out, _ = torchrun_watched(tmp_path, "kill@rank=2,step=21", on_line=on_line)
+    info = summary(proc, out)
+    log = info["log"]
+    assert killed, log[-4000:]
+    assert re.findall(r"rank (\d+): training process died", log) == ["2", "2"], log[-6000:]
+    assert "stopped beating" not in log and "stopped answering" not in log, log[-6000:]
+    pids = _processes(out)
+    assert all(len(pids[r]) == 1 for r in (0, 1, 3)), pids  # the others kept their process
+    assert_bitwise(out, reference)
+
+
+def _newest_child_of_rank(tmp: Path, rank: int) -> int | None:
+    """The newest process that rank ``rank``'s supervisor (the torchrun worker running ft_worker.py for ``tmp``)
+    has forked, from ``/proc``; ``None`` if it has none now."""
+    procs: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().decode().split("\0")
+            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            environ = Path(f"/proc/{entry}/environ").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if str(WORKER) in cmdline and str(tmp / "final.pt") in cmdline and f"RANK={rank}" in environ:
+            procs[int(entry)] = (int(stat[1]), float(stat[19]))  # parent, start time
+    children = [(start, pid) for pid, (ppid, start) in procs.items() if ppid in procs]
+    return max(children)[1] if children else None

@@ -18,6 +18,8 @@ again unless asked to be (two failures in a row: a second fault with ``attempt=1
                 committed checkpoint, then die
 ``rejoin``      die (SIGKILL) right after joining an in-place recovery of attempt ``attempt`` (a failure while
                 the group forms again; ``step`` is ignored)
+``connect``     die (SIGKILL) as the groups of an in-place recovery of attempt ``attempt`` are about to connect
+                (every rank restored the cut; the others wait for this one's address; ``step`` is ignored)
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from ..pipeline.schedule import Action
 
 __all__ = ["KINDS", "Fault", "InjectedFault", "FaultInjector", "parse_faults"]
 
-KINDS = ("kill", "exception", "hang", "term", "ckpt_crash", "corrupt", "rejoin")
+KINDS = ("kill", "exception", "hang", "term", "ckpt_crash", "corrupt", "rejoin", "connect")
 ENV_VAR = "PIPEDREAM_FT_FAULTS"
 
 
@@ -164,9 +166,10 @@ class FaultInjector(Hooks):
 
         self.after_commit(newest, damage)
 
-    def at_join(self, attempt: int) -> None:
-        """Called right after this rank joined the in-place recovery that starts ``attempt`` (``rejoin``)."""
-        f = next((f for f in self._mine if f.kind == "rejoin" and f.attempt == attempt), None)
+    def at_join(self, attempt: int, kind: str = "rejoin") -> None:
+        """Called right after this rank joined the in-place recovery that starts ``attempt`` (``rejoin``), and
+        as its groups are about to connect (``connect``)."""
+        f = next((f for f in self._mine if f.kind == kind and f.attempt == attempt), None)
         if f is not None:
             self._mine.remove(f)
             say(f"pipedream-ft: rank {self.rank}: injecting fault {f}", sys.stdout)

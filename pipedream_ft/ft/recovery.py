@@ -14,6 +14,14 @@ all ranks then roll back to the newest cut that *every* rank can restore and bui
 A rank that does not join and whose heartbeat has stopped (``SIGSTOP``, a deadlock) is *evicted*: its
 supervisor kills it and starts a replacement. A replacement started with another plan, model or checkpoint
 location (another *fingerprint*) stops the recovery with one line naming it.
+
+**Hangs.** Every rank's heartbeat thread also watches its peers' heartbeats (see :class:`Heartbeat`): a process
+whose heartbeat stops for ``hang_s`` (0.8 s) is evicted at once, whatever the operations' ``timeout_s``, so a long
+timeout for slow collectives does not slow the recovery from a hang. The thread has a store connection of its
+own, and the process's long-lived objects are frozen out of garbage collection (a full collection holds the GIL
+for about a second): a healthy rank that waits — in a collective, or connecting an epoch's groups — keeps beating.
+Connecting an epoch's groups gives up as soon as the epoch fails (a peer died meanwhile), instead of waiting out
+``timeout_s`` for a peer that will never come.
 """
 
 from __future__ import annotations
@@ -23,14 +31,21 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable
 
-from ..errors import PipelineError
-from .coordination import FAILED, FORMED, LiveGroup
+import torch.distributed as dist
 
-__all__ = ["Formed", "Heartbeat", "Membership", "RecoveryFailed"]
+from ..env import DistEnv
+from ..errors import PipelineError
+from .coordination import FAILED, FORMED, KEY_HEARTBEAT, LiveGroup
+
+__all__ = ["Formed", "Heartbeat", "Membership", "RecoveryFailed", "heartbeat_connection"]
 
 log = logging.getLogger(__name__)
+
+_KEY_ENDED = KEY_HEARTBEAT + "/ended"
+"""The incarnation of ``rank``'s process that closed its heartbeat (it finished)."""
 
 
 class RecoveryFailed(PipelineError):
@@ -50,14 +65,32 @@ class Formed:
 
 
 class Heartbeat:
-    """Writes this rank's heartbeat (with its incarnation) to the store every ``interval_s`` from a thread, so
-    that a stopped or deadlocked process can be told from a slow one."""
+    """This rank's heartbeat, and its watch over its peers' (see the module docstring's *Hangs*).
 
-    def __init__(self, live: LiveGroup, rank: int, incarnation: int, interval_s: float = 0.25) -> None:
+    A thread writes ``(time, incarnation)`` to the store every ``interval_s``, through a store connection of
+    its own (``live`` must not share its connection with the training thread: a thread blocked in a store wait,
+    such as the construction of a process group waiting for a dead peer's address, would hold up every other
+    request on that connection, and a healthy rank would look silent). The same thread reads the peers'
+    heartbeats: a peer whose newest process's heartbeat has not changed for ``hang_s`` (measured on this rank's
+    clock, so clocks need not agree) is *evicted*: its supervisor kills it, its connections close, and every rank
+    fails over at once instead of waiting for an operation's ``timeout_s``. A slow rank is not hung: its
+    heartbeat thread keeps beating during a long computation. ``close`` removes the heartbeat, so a rank that
+    finished is not taken for a hung one."""
+
+    def __init__(self, live: LiveGroup, rank: int, incarnation: int, *, world_size: int = 0,
+                 interval_s: float = 0.1, hang_s: float = 0.8) -> None:
+        if hang_s <= 2 * interval_s:
+            raise ValueError(f"hang_s must exceed two heartbeat intervals ({hang_s} <= 2 x {interval_s})")
         self.live = live
         self.rank = rank
         self.incarnation = incarnation
+        self.world_size = world_size
+        """Watch ranks ``0 .. world_size - 1`` (``0``: beat only)."""
         self.interval_s = interval_s
+        self.hang_s = hang_s
+        self.evictions: list[tuple[int, int]] = []
+        """``(rank, incarnation)`` of every peer this rank evicted."""
+        self._seen: dict[int, tuple[str, float]] = {}
         self._stop = threading.Event()
         self.live.heartbeat(rank, incarnation)
         self._thread = threading.Thread(target=self._run, name="pipedream-ft-heartbeat", daemon=True)
@@ -67,12 +100,51 @@ class Heartbeat:
         while not self._stop.wait(self.interval_s):
             try:
                 self.live.heartbeat(self.rank, self.incarnation)
+                if self.world_size:
+                    self._watch()
             except Exception:  # the store went away: the job is ending
                 return
 
+    def _watch(self) -> None:
+        now = time.monotonic()
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            key = KEY_HEARTBEAT.format(rank=rank)
+            value = self.live.store.get(key).decode() if self.live.store.check([key]) else None
+            seen = self._seen.get(rank)
+            if value is None or seen is None or seen[0] != value:
+                self._seen[rank] = (value or "", now)
+                continue
+            if now - seen[1] < self.hang_s:
+                continue
+            incarnation = int(value.split()[1])
+            if self.live.replacement(rank)[0] != incarnation or self.live.evicted(rank) == incarnation or \
+                    self._ended(rank) == incarnation:
+                continue  # a newer process is starting, this one is on its way out, or it finished
+            log.warning("rank %d (process %d) stopped beating %.1fs ago; asking its supervisor to replace it",
+                        rank, incarnation, now - seen[1])
+            self.live.evict(rank, incarnation)
+            self.evictions.append((rank, incarnation))
+
+    def _ended(self, rank: int) -> int | None:
+        key = _KEY_ENDED.format(rank=rank)
+        return int(self.live.store.get(key)) if self.live.store.check([key]) else None
+
     def close(self) -> None:
+        """Stop beating, saying so first: the peers must not take a process that finished for a hung one."""
+        try:
+            self.live.store.set(_KEY_ENDED.format(rank=self.rank), str(self.incarnation))
+        except Exception:  # the store is gone: nobody is left to watch
+            pass
         self._stop.set()
         self._thread.join(timeout=2)
+
+
+def heartbeat_connection(env: DistEnv, timeout_s: float) -> dist.Store:
+    """A connection to the job's store for the heartbeat thread alone (see :class:`Heartbeat`)."""
+    return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 class Membership:

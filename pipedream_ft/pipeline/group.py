@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import pickle
 import re
+import threading
 from datetime import timedelta
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -65,8 +66,12 @@ class CommGroup:
     """
 
     def __init__(self, store: dist.Store, *, rank: int, world_size: int, backend: str, device: torch.device,
-                 timeout_s: float, links: Iterable[tuple[int, str]] = (), replica_ranks: Sequence[int] | None = None
-                 ) -> None:
+                 timeout_s: float, links: Iterable[tuple[int, str]] = (), replica_ranks: Sequence[int] | None = None,
+                 cancelled: Callable[[], bool] | None = None, poll_s: float = 0.01) -> None:
+        """``cancelled`` (a recovery's groups): asked every ``poll_s`` while the connections are being made; once
+        it returns ``True`` (the epoch failed: a peer died meanwhile) the construction is abandoned and
+        :class:`GroupError` raised at once, instead of waiting ``timeout_s`` for a peer that will never come. It
+        must not use ``store``'s connection (the construction holds it while it waits for the peers)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.rank = rank
@@ -76,22 +81,67 @@ class CommGroup:
         self.timeout = timedelta(seconds=timeout_s)
         self._groups: list[Any] = []
         self.closed = False
+        self.world: Any = None
+        self.control: Any = None
+        self.replica: Any = None
+        self.replica_ranks = tuple(replica_ranks or ())
+        self._links: dict[tuple[int, str], tuple[Any, int]] = {}
+        links = list(links)
+        if cancelled is None:
+            self._build(store, links)
+        else:
+            self._build_unless(cancelled, poll_s, lambda: self._build(store, links))
+
+    def _build(self, store: dist.Store, links: list[tuple[int, str]]) -> None:
+        backend, rank, world_size = self.backend, self.rank, self.world_size
         self.world = self._make(backend, dist.PrefixStore("world/", store), rank, world_size)
         self.control = self.world if backend == "gloo" else \
             self._make("gloo", dist.PrefixStore("control/", store), rank, world_size)
-        self.replica: Any = None
-        self.replica_ranks = tuple(replica_ranks or ())
-        if replica_ranks is not None and len(replica_ranks) > 1:
-            name = "-".join(map(str, replica_ranks))
+        if len(self.replica_ranks) > 1:
+            name = "-".join(map(str, self.replica_ranks))
             self.replica = self._make(backend, dist.PrefixStore(f"replica/{name}/", store),
-                                      list(replica_ranks).index(rank), len(replica_ranks))
-        self._links: dict[tuple[int, str], tuple[Any, int]] = {}
+                                      self.replica_ranks.index(rank), len(self.replica_ranks))
         if backend == "nccl":
             for peer, channel in links:
                 low, high = sorted((rank, peer))
                 pg = self._make(backend, dist.PrefixStore(f"link/{low}-{high}/{channel}/", store),
                                 0 if rank == low else 1, 2)
                 self._links[(peer, channel)] = (pg, 1 if rank == low else 0)
+
+    def _build_unless(self, cancelled: Callable[[], bool], poll_s: float, build: Callable[[], None]) -> None:
+        """Run ``build`` in a thread; give up on it (it closes what it made once it ends) if ``cancelled()``."""
+        lock = threading.Lock()
+        state: dict[str, Any] = {"done": False, "abandoned": False, "error": None}
+
+        def run() -> None:
+            try:
+                if self.device.type == "cuda":  # the current device is per thread
+                    torch.cuda.set_device(self.device)
+                build()
+            except BaseException as exc:  # reported by the waiting thread, or dropped with an abandoned group
+                state["error"] = exc
+            with lock:
+                state["done"] = True
+                abandoned = state["abandoned"]
+            if abandoned:
+                self.close()
+
+        thread = threading.Thread(target=run, name="pipedream-ft-connect", daemon=True)
+        thread.start()
+        while True:
+            thread.join(poll_s)
+            with lock:
+                if state["done"]:
+                    break
+                if cancelled():
+                    state["abandoned"] = True
+                    raise GroupError("the epoch failed while its process groups were being connected")
+        error = state["error"]
+        if error is not None:
+            self.close()
+            if isinstance(error, RuntimeError):
+                raise GroupError(f"cannot connect the process groups: {backend_reason(error)}") from None
+            raise error
 
     def _make(self, backend: str, store: dist.Store, rank: int, size: int) -> Any:
         pg = _new_backend(backend, store, rank, size, self.timeout, self.device)
