@@ -732,12 +732,14 @@ class PipelineTrainer:
     def close(self) -> None:
         """Wait for pending checkpoint commits, stop the background threads, close the traces, and shut this
         rank's process groups down (no backend thread outlives it). Idempotent."""
-        if self.ckpt is not None:
-            self.ckpt.close()
-        self.hooks.close()
-        if self._heartbeat is not None:
-            self._heartbeat.close()
-        self.release()
+        try:
+            if self.ckpt is not None:
+                self.ckpt.close()  # raises if the last durable cut could not be committed
+        finally:
+            self.hooks.close()
+            if self._heartbeat is not None:
+                self._heartbeat.close()
+            self.release()
 
     def release(self) -> None:
         """Shut this rank's process groups down now (idempotent; also done at interpreter exit)."""

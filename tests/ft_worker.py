@@ -53,6 +53,8 @@ def main() -> None:
                     help="a replacement process (in-place recovery) runs another plan (a bad-input test)")
     ap.add_argument("--source-ends", type=int, default=None,
                     help="feed a stateful iterable without len() that ends after this many minibatches")
+    ap.add_argument("--linger", default=None,
+                    help="before closing the trainer, wait until this file exists (keeps the job alive)")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -97,6 +99,10 @@ def main() -> None:
             json.dump({"resumed_from": trainer.resumed_from, "attempt": trainer.env.restart_count,
                        "incarnation": trainer.env.incarnation, "recoveries": trainer.recoveries,
                        "start_time": t_start, "ready_time": t_ready, "losses": result.losses}, f)
+    if args.linger:
+        deadline = time.monotonic() + 300
+        while not os.path.exists(args.linger) and time.monotonic() < deadline:
+            time.sleep(0.1)
     trainer.close()
     shutdown()
 

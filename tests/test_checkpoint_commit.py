@@ -480,3 +480,23 @@ def test_local_layout_on_disk(tmp_path) -> None:
     committed_steps(st, [12], parts=["a", "b"])
     d = tmp_path / "step-0000000012"
     assert sorted(os.listdir(d)) == ["COMMIT.json", "part-a.json", "part-a.pt", "part-b.json", "part-b.pt"]
+
+
+def test_rewind_retires_later_commits_so_the_steps_are_written_anew(tmp_path) -> None:
+    """After a roll-back to step 1 (a resume from an older checkpoint), the commits of steps 2 and 3 belong to
+    a history that does not go on: they are retired, and steps 2 and 3 of the new history commit anew."""
+    from pipedream_ft.checkpoint import load_part
+
+    st = Storage(str(tmp_path / "ckpt"))
+    w = CheckpointWriter(st, "a", is_committer=True, keep=10, poll_interval_s=0.005, max_poll_interval_s=0.02)
+    for step in (1, 2, 3):
+        w.save(step, {"x": torch.full((4,), float(step))})
+    assert w.flush(10) and list_committed(st) == [1, 2, 3]
+    assert w.rewind(1) == [2, 3]
+    assert list_committed(st) == [1] and w.last_committed is None
+    h = w.save(2, {"x": torch.full((4,), 20.0)})  # the step may be saved again, and is written, not skipped
+    assert h.wait(10) and h.committed and w.last_committed == 2 and w.last_durable == 2
+    assert list_committed(st) == [1, 2]
+    assert torch.equal(load_part(st, 2, "a")["x"], torch.full((4,), 20.0))
+    assert w.rewind(2) == [] and list_committed(st) == [1, 2]  # nothing newer: nothing retired
+    w.close()

@@ -161,3 +161,32 @@ def test_credentials_expire_mid_run(s3_with_identities: SeaweedS3, caplog) -> No
         assert step == 4 and torch.equal(state["x"], torch.full((100,), 4.0))
     finally:
         w.close(5)
+
+
+def test_storage_that_refuses_for_good_is_not_retried_and_leaves_no_half_written_step(tmp_path, caplog) -> None:
+    st = Storage(str(tmp_path / "ckpt"), retry=RetryConfig(attempts=4, delay_s=0.01, max_delay_s=0.02))
+    real = st._write_local
+    calls: list[str] = []
+
+    def write(rel: str, data, durable: bool = True) -> None:
+        if rel.endswith(fmt.PART_DATA_SUFFIX) and "part-b" in rel:
+            calls.append(rel)
+            raise OSError(errno.EFBIG, "File too large", rel)
+        real(rel, data, durable)
+
+    st._write_local = write  # type: ignore[method-assign]
+    wa, wb = writer(st, "a", ["a", "b"], commit_timeout_s=30), writer(st, "b", ["a", "b"], commit_timeout_s=30)
+    with caplog.at_level(logging.DEBUG, logger="pipedream_ft.checkpoint"):
+        hb = wb.save(1, {"x": torch.ones(10)})
+        assert hb.wait(10) and isinstance(hb.error, CheckpointError)
+        assert calls == [fmt.part_data_path(1, "b")]  # one try: no retry of a write storage refuses for good
+        assert "storage refuses it" in str(hb.error) and "File too large" in str(hb.error)
+        assert wb.refused is not None
+        ha = wa.save(1, {"x": torch.ones(10)})
+        assert not ha.wait(0.2)  # the committer still waits for b's part ...
+        assert wa.give_up("b's storage refused it") == [1]  # ... until it learns it never comes
+        assert ha.wait(10) and ha.committed is False
+    assert list_committed(st) == [] and not st.exists(fmt.step_dir(1))  # nothing half-written left
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("retry 1/" in m or "retrying until" in m for m in messages), messages
+    wa.close(), wb.close()

@@ -215,3 +215,24 @@ def test_unreachable_s3_endpoint_gives_one_clear_error(monkeypatch) -> None:
         st.check_writable()
     msg = str(info.value)
     assert "s3://some-bucket/run" in msg and "unreachable" in msg and secret not in msg
+
+
+def test_a_file_size_limit_is_refused_for_good_without_retries(tmp_path) -> None:
+    """EFBIG (here a real RLIMIT_FSIZE) is not transient: one try, and the error says storage refuses it."""
+    import resource
+
+    st = Storage(str(tmp_path / "ckpt"), retry=RetryConfig(attempts=4, delay_s=0.01, max_delay_s=0.02))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        with pytest.raises(StorageError) as err:
+            st.write_bytes("big", b"x" * 10000)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert err.value.refused and err.value.permanent and "tries" not in str(err.value)
+    assert st.list("") == []  # no temporary file left
+
+
+def test_per_process_file_systems_are_told() -> None:
+    assert Storage(f"memory://pdft-{uuid.uuid4().hex}").per_process()
+    assert not Storage("/tmp/somewhere").per_process()

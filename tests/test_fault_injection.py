@@ -28,16 +28,27 @@ WORKER = Path(__file__).with_name("ft_worker.py")
 TOTAL, EVERY, DEPTH = 48, 8, 4
 
 
-def torchrun(ckpt: str, out: Path, faults: str = "", *, sleep_ms: float = 5.0, restarts: int = 3,
-             storage_options: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+def torchrun_command(ckpt: str, out: Path, *, sleep_ms: float = 5.0, restarts: int = 3,
+                     storage_options: dict | None = None, rdzv_id: str | None = None,
+                     extra: tuple[str, ...] = ()) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", f"--max-restarts={restarts}",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--monitor-interval", "0.5",
+           *(["--rdzv-id", rdzv_id] if rdzv_id else []),
            str(WORKER), "--ckpt", ckpt, "--total", str(TOTAL), "--every", str(EVERY), "--out", str(out),
-           "--sleep-ms", str(sleep_ms), "--timeout", "8"]
+           "--sleep-ms", str(sleep_ms), "--timeout", "8", *extra]
     if storage_options:
         cmd += ["--storage-options", json.dumps(storage_options)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PIPEDREAM_FT_FAULTS=faults, PIPEDREAM_FT_RECOVERY="restart")
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return cmd
+
+
+def torchrun_env(faults: str = "") -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PIPEDREAM_FT_FAULTS=faults, PIPEDREAM_FT_RECOVERY="restart")
+
+
+def torchrun(ckpt: str, out: Path, faults: str = "", *, sleep_ms: float = 5.0, restarts: int = 3,
+             storage_options: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = torchrun_command(ckpt, out, sleep_ms=sleep_ms, restarts=restarts, storage_options=storage_options)
+    return subprocess.run(cmd, env=torchrun_env(faults), capture_output=True, text=True, timeout=timeout)
 
 
 def finished(proc: subprocess.CompletedProcess, out: Path) -> dict:
@@ -115,6 +126,11 @@ def test_fault_on_local_disk(case, reference, tmp_path):
     elif "corrupt" in case:  # the newest checkpoint was damaged: the one before it is used
         damaged = int(re.search(r"into checkpoint (\d+)", log).group(1))
         assert damaged - 2 * EVERY <= info["resumed_from"] < damaged, (damaged, info["resumed_from"])
+        # corrupt-then-continue: the damaged step's commit is retired, and checkpointing goes on past it
+        from pipedream_ft.checkpoint import Storage, list_committed
+
+        assert "retired" in log, log[-4000:]
+        assert list_committed(Storage(str(tmp_path / "ckpt")))[-1] > damaged, log[-4000:]
     elif "SIGTERM" in case:
         # the emergency checkpoint is taken at the next cut after the notice and nothing is redone
         # (stage 0 is up to DEPTH minibatches ahead of rank 1 and looks for notices every 50 ms)
@@ -122,6 +138,47 @@ def test_fault_on_local_disk(case, reference, tmp_path):
         assert "redoing 0 minibatches" in log, log[-3000:]
     else:
         assert_redone_within_bound(info["resumed_from"], failed_at, log)
+
+
+@pytest.mark.timeout(900)
+def test_shared_url_second_job_refused_and_a_taken_over_job_refuses_to_resume(tmp_path):
+    """Two jobs started at once on one checkpoint URL: one trains, the other stops at start with one line
+    naming the URL and the owner (exit 2), before writing anything. Once the winner ended, the loser (rerun)
+    takes the location over and resumes from it, as a rerun does; the winner, rerun under its old job id after
+    that, is refused: the checkpoints there are no longer its own."""
+    ckpt, linger = str(tmp_path / "ckpt"), tmp_path / "linger"
+
+    def start(job: str) -> subprocess.Popen:
+        cmd = torchrun_command(ckpt, tmp_path / f"{job}.pt", restarts=0, rdzv_id=job, extra=("--linger", str(linger)))
+        return subprocess.Popen(cmd, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    jobs = {job: start(job) for job in ("job-a", "job-b")}
+    try:
+        deadline = time.monotonic() + 600
+        while all(p.poll() is None for p in jobs.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        losers = [job for job, p in jobs.items() if p.poll() is not None]
+        assert len(losers) == 1, "neither job stopped at start"
+        loser = losers[0]
+        winner = next(job for job in jobs if job != loser)
+        loser_log = jobs[loser].communicate(timeout=60)[0]
+        assert jobs[loser].returncode != 0 and re.search(r"exitcode\s*:\s*2", loser_log), loser_log[-4000:]
+        lines = [l for l in loser_log.splitlines() if l.startswith("pipedream-ft: error:")]
+        assert len(lines) == 1 and ckpt in lines[0] and f"in use by job run-{winner}" in lines[0], loser_log[-4000:]
+    finally:
+        linger.touch()
+    winner_log = jobs[winner].communicate(timeout=300)[0]
+    assert jobs[winner].returncode == 0, winner_log[-4000:]
+
+    rerun = subprocess.run(torchrun_command(ckpt, tmp_path / "rerun.pt", restarts=0, rdzv_id=loser),
+                           env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-4000:]
+    assert f"taken over from job run-{winner}" in rerun.stdout + rerun.stderr
+    again = subprocess.run(torchrun_command(ckpt, tmp_path / "again.pt", restarts=0, rdzv_id=winner),
+                           env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    log = again.stdout + again.stderr
+    assert again.returncode != 0 and f"was taken over by job run-{loser}" in log, log[-4000:]
+    assert not Path(str(tmp_path / "again.pt") + ".json").exists()  # it trained on nothing
 
 
 S3_CASES = {

@@ -39,6 +39,7 @@ from .checksum import ALGORITHMS as CHECKSUM_ALGORITHMS
 from .format import CheckpointError, CommitRecord, CorruptCheckpointError, PartMeta
 from .reader import (check_compatible, decode_verified, latest_committed, list_committed, load_latest, load_part,
                      read_commit)
+from .owner import Owner, OwnershipError
 from .peer import PeerClient, PeerError, PeerServer, PeerTier
 from .shm import MemoryTier
 from .snapshot import Immutable, SnapshotPool, immutable
@@ -56,6 +57,8 @@ __all__ = [
     "DurableTier",
     "Immutable",
     "MemoryTier",
+    "Owner",
+    "OwnershipError",
     "PartMeta",
     "PeerClient",
     "PeerError",

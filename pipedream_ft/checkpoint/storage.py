@@ -12,7 +12,10 @@ Paths given to :class:`Storage` methods are relative to the root URL and use ``/
 
 Transient errors (connection refused, timeouts, 5xx, ...) are retried with exponential backoff, logging a
 warning per retry. Permanent errors (missing file, permission denied, missing credentials, ...) are not
-retried. Credentials are never logged: every message built here goes through :meth:`Storage.redact`.
+retried; among them, those of storage that refuses writes for good (``EFBIG``, ``ENOSPC``, ``EDQUOT``,
+``EROFS``, ``EACCES``, ``EPERM``) are marked :attr:`StorageError.refused`, and the checkpoint writer gives the
+step up at once instead of retrying it. :meth:`Storage.per_process` tells file systems whose data lives inside
+each process (``memory://``), which a multi-process job cannot use. Credentials are never logged: every message built here goes through :meth:`Storage.redact`.
 """
 
 from __future__ import annotations
@@ -47,7 +50,18 @@ _SECRET_ENV = (
     "AWS_ACCESS_KEY_ID",
 )
 _URL_USERINFO_RE = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)[^/@\s]+@")
+_REFUSED_ERRNOS = {
+    errno.EFBIG,  # a file-size limit (RLIMIT_FSIZE, the file system's maximum)
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+}
+"""Errors of storage that refuses writes for good (full, over quota, read-only, forbidden): retrying the same
+write cannot help, so a checkpoint step that meets one is given up at once (see :attr:`StorageError.refused`)."""
 _PERMANENT_ERRNOS = {
+    errno.EFBIG,
     errno.ENOSPC,  # a full disk does not empty itself within a few retries; the writer retries at its pace
     errno.EDQUOT,
     errno.ENOENT,
@@ -78,6 +92,18 @@ _S3_DEFAULT_CONFIG = {"connect_timeout": 10, "read_timeout": 60, "retries": {"ma
 
 class StorageError(CheckpointError):
     """A storage operation failed permanently, or kept failing after all retries."""
+
+    def __init__(self, message: str, *, permanent: bool = False, refused: bool = False) -> None:
+        super().__init__(message)
+        self.permanent: bool = permanent
+        """The error is not transient (retrying the same operation gives the same error)."""
+        self.refused: bool = refused
+        """Storage refuses writes for good: a full disk or quota, a file-size limit, a read-only file system,
+        permission denied (``EFBIG``, ``ENOSPC``, ``EDQUOT``, ``EROFS``, ``EACCES``, ``EPERM``)."""
+
+
+_PER_PROCESS_PROTOCOLS = {"memory"}
+"""fsspec protocols whose data lives inside each process (see :meth:`Storage.per_process`)."""
 
 
 class Buffers:
@@ -221,6 +247,29 @@ class Storage:
         return self._local_root is not None
 
     @property
+    def protocol(self) -> str:
+        """The URL's protocol (``"file"`` for a local directory)."""
+        return "file" if self.is_local else self._raw_url.split("://", 1)[0].split("::", 1)[0]
+
+    def per_process(self) -> bool:
+        """Whether this storage keeps its data inside each process (fsspec's ``memory://``, or any filesystem
+        class derived from its ``MemoryFileSystem``): the ranks of a job would each see only their own writes,
+        so no checkpoint could ever commit, and nothing would outlive the job."""
+        if self.is_local:
+            return False
+        if self.protocol in _PER_PROCESS_PROTOCOLS:
+            return True
+        try:
+            from fsspec.implementations.memory import MemoryFileSystem
+        except ImportError:  # pragma: no cover - fsspec is a dependency
+            return False
+        try:
+            fs, _ = self._filesystem()
+        except StorageError:
+            return False
+        return isinstance(fs, MemoryFileSystem)
+
+    @property
     def retry(self) -> RetryConfig:
         return self._retry
 
@@ -306,8 +355,10 @@ class Storage:
                 transient = self._is_transient(exc)
                 if not transient or attempt == cfg.attempts:
                     tail = f" after {attempt} tries" if transient and attempt > 1 else ""
+                    refused = isinstance(exc, OSError) and exc.errno in _REFUSED_ERRNOS
                     raise StorageError(
-                        f"checkpoint storage {self.url}: {op} {rel!r} failed{tail}: {self.describe_error(exc)}"
+                        f"checkpoint storage {self.url}: {op} {rel!r} failed{tail}: {self.describe_error(exc)}",
+                        permanent=not transient, refused=refused,
                     ) from None
                 first = self._failing_since is None
                 if first:
@@ -431,6 +482,47 @@ class Storage:
             return
         data = bytes(data)
         self._call("write", rel, lambda: self._write_local(rel, data, durable=False))
+
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        """Create ``rel`` with ``data`` unless it exists; returns whether this call created it.
+
+        On local disk this is exact (the complete file is hard-linked into place, which fails if the name
+        exists). Object stores have no portable create-if-absent: there it is a check then a put, so two
+        writers racing within a request's time may both get ``True`` (callers read the object back later to
+        find out who won)."""
+        self._check_rel(rel)
+        data = bytes(data)
+        if not self.is_local:
+            if self.exists(rel):
+                return False
+            self.write_bytes(rel, data)
+            return True
+
+        def create_local() -> bool:
+            path = self._local(rel)
+            directory = os.path.dirname(path)
+            os.makedirs(directory, exist_ok=True)
+            tmp = os.path.join(directory, f".{os.path.basename(path)}{_TMP_MARKER}{uuid.uuid4().hex[:12]}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                try:
+                    os.write(fd, data)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    return False
+            finally:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            _fsync_dir(directory)
+            return True
+
+        return self._call("create", rel, create_local)
 
     def read_bytes(self, rel: str) -> bytes:
         """The content of ``rel``; ``FileNotFoundError`` if it does not exist."""

@@ -37,7 +37,17 @@ deadline (``commit_timeout_s`` after ``save``) or until a newer save is queued; 
 appear (or whose part files vanished) before the deadline is given up (no commit). A commit record is never
 written unless every part's meta, written only after the part itself is durable, was read back and the part
 file has the recorded size. The log says once what failed and how long since the last commit; further failures
-go to DEBUG until storage works again, which is logged too.
+go to DEBUG until storage works again, which is logged too. Storage that refuses a write for good (full,
+read-only, over a file-size limit, forbidden: :attr:`~.storage.StorageError.refused`) is not retried: the step
+is given up at once and what was written of it removed (:attr:`CheckpointWriter.refused` says why).
+
+**One history.** After the training state is rolled back to a step (a resume from an older checkpoint because
+the newest did not verify, an in-place recovery), :meth:`CheckpointWriter.rewind` abandons the saves of later
+steps and the committer retires the later commits (records first, newest first), so the steps are written
+anew when training reaches them again and a reader never sees two histories mixed.
+
+**One owner.** ``before_commit`` (the job's :class:`~.owner.Owner` check) runs before each commit record is
+written; once it raises, this writer commits nothing more.
 """
 
 from __future__ import annotations
@@ -66,7 +76,7 @@ from .format import (
     validate_step,
 )
 from .snapshot import Snapshot, SnapshotPool
-from .storage import Buffers, Storage
+from .storage import Buffers, Storage, StorageError
 from .tensorfile import encode_part
 
 __all__ = ["CheckpointWriter", "SaveHandle", "lower_thread_priority"]
@@ -154,6 +164,7 @@ class _Job:
     metadata: dict[str, Any]
     handle: SaveHandle
     deadline: float
+    generation: int = 0
 
 
 @dataclass(slots=True)
@@ -204,6 +215,9 @@ class CheckpointWriter:
         metadata: JSON metadata put in every commit record (plan hash, profile hash, world size, ...);
             ``save(metadata=...)`` adds to it.
         on_commit: committer only: called with the step in the background thread after each commit.
+        before_commit: committer only: called with the step right before each commit record is written; if it
+            raises, the step is not committed and no later one will be (:attr:`stopped` says why): the location
+            is no longer this job's (see :mod:`.owner`).
         poll_interval_s: first delay between polls for missing parts (doubled up to ``max_poll_interval_s``).
         max_poll_interval_s: longest delay between polls and between retries of a failed write.
         max_queued: :meth:`save` waits while this many saves are queued (never drops one). Callers should not
@@ -226,6 +240,7 @@ class CheckpointWriter:
         commit_timeout_s: float = 300.0,
         metadata: Mapping[str, Any] | None = None,
         on_commit: Callable[[int], None] | None = None,
+        before_commit: Callable[[int], None] | None = None,
         poll_interval_s: float = 0.05,
         max_poll_interval_s: float = 2.0,
         max_queued: int = 2,
@@ -272,6 +287,7 @@ class CheckpointWriter:
         self.commit_timeout_s = float(commit_timeout_s)
         self.metadata = normalize_metadata(metadata)
         self.on_commit = on_commit
+        self.before_commit = before_commit
         self.poll_interval_s = float(poll_interval_s)
         self.max_poll_interval_s = float(max_poll_interval_s)
         self.max_queued = max_queued
@@ -291,6 +307,13 @@ class CheckpointWriter:
         self._closing = False
         self._closed = False
         self._poll_delay = self.poll_interval_s
+        self._generation = 0
+        self._writing: int | None = None
+        self.refused: CheckpointError | None = None
+        """The last write that storage refused for good (full, read-only, over a size limit, forbidden), until a
+        later part is written: see :attr:`StorageError.refused`."""
+        self.stopped: BaseException | None = None
+        """Why this writer commits nothing any more (``before_commit`` raised), or ``None``."""
         self._write_trouble = _Trouble(f"checkpoint part {part_name}")
         self._commit_trouble = _Trouble("checkpoint commit")
         self._thread = threading.Thread(target=self._run, name=f"checkpoint-writer-{part_name}", daemon=True)
@@ -325,7 +348,7 @@ class CheckpointWriter:
         snap = self._pool.take(dict(state))
         handle = SaveHandle(step, time.perf_counter() - t0, snap.copied_bytes, snap.referenced_bytes)
         job = _Job(step=step, snapshot=snap, metadata=meta, handle=handle,
-                   deadline=time.monotonic() + self.commit_timeout_s)
+                   deadline=time.monotonic() + self.commit_timeout_s, generation=self._generation)
         with self._cond:
             try:
                 self._check_open(step)
@@ -398,6 +421,81 @@ class CheckpointWriter:
         with self._cond:
             return sorted({j.step for j in self._queue} | set(self._pending))
 
+    def rewind(self, step: int, *, wait_s: float = 30.0) -> list[int]:
+        """The training state was rolled back to ``step`` (a resume, an in-place recovery): what this writer
+        holds of later steps belongs to a history that will not go on.
+
+        Queued saves and commits waiting for parts of steps after ``step`` are abandoned (their handles fail),
+        a part of such a step being written now is not reported durable (this waits up to ``wait_s`` for that
+        write to end, so it cannot land after the caller goes on), and the next save may be of any step after
+        ``step``. On the committer, the commits newer than ``step`` are *retired*: their commit records are
+        deleted newest first (a reader sees, at every moment, a prefix of the old history, never a mix), then
+        their directories; the new history writes those steps anew. Returns the retired steps."""
+        validate_step(step)
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            self._generation += 1
+            dropped: list[Any] = [j for j in self._queue if j.step > step]
+            self._queue = collections.deque(j for j in self._queue if j.step <= step)
+            dropped += [self._pending.pop(s) for s in sorted(self._pending) if s > step]
+            if self._last_step is not None and self._last_step > step:
+                self._last_step = step
+            if self._last_durable is not None and self._last_durable > step:
+                self._last_durable = None
+            if self._last_committed is not None and self._last_committed > step:
+                self._last_committed = None
+            self._cond.notify_all()
+            while self._writing is not None and self._writing > step and time.monotonic() < deadline:
+                self._cond.wait(max(0.0, min(0.5, deadline - time.monotonic())))
+        for item in dropped:
+            if isinstance(item, _Job):
+                item.snapshot.release()
+            self._finish(item.handle, CheckpointError(f"step {item.step} abandoned: the state was rolled back "
+                                                      f"to step {step}"))
+        if not self.is_committer:
+            return []
+        return self._retire_after(step)
+
+    def give_up(self, reason: str) -> list[int]:
+        """Committer: give up every commit waiting for parts now (a part is known never to come: its rank's
+        storage refused it) and remove those steps' directories; returns their steps."""
+        with self._cond:
+            doomed = [self._pending.pop(s) for s in sorted(self._pending)]
+        for p in doomed:
+            try:  # a resumed run must not find a half-written step
+                if not self.storage.exists(commit_path(p.step)):
+                    self.storage.delete(step_dir(p.step), recursive=True)
+            except Exception as exc:
+                logger.debug("checkpoint step %d: cannot remove its directory: %s", p.step, exc)
+            self._finish(p.handle, CheckpointError(f"step {p.step} not committed: {reason}"))
+        return [p.step for p in doomed]
+
+    def flush_parts(self, timeout: float | None = None) -> bool:
+        """Wait until no save is queued or being written (commits may still wait for other ranks' parts)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._writing is not None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining if remaining is not None else 0.5)
+        return True
+
+    def _retire_after(self, step: int) -> list[int]:
+        storage = self.storage
+        later = sorted((s for s in (parse_step_dir(n) for n in storage.list("")) if s is not None and s > step),
+                       reverse=True)
+        retired = [s for s in later if storage.exists(commit_path(s))]
+        for s in retired:  # newest first: what is left committed is always a prefix of the old history
+            storage.delete(commit_path(s))
+        for s in later:
+            storage.delete(step_dir(s), recursive=True)
+        if retired:
+            logger.warning("checkpoint steps %s retired: committed by a history that was rolled back to step %d "
+                           "(they are written anew as training reaches them again)",
+                           ", ".join(map(str, sorted(retired))), step)
+        return sorted(retired)
+
     def __enter__(self) -> CheckpointWriter:
         return self
 
@@ -446,15 +544,30 @@ class CheckpointWriter:
             except Exception:  # never let the thread die; the handles carry the errors
                 logger.exception("checkpoint part %s: unexpected error in the writer thread", self.part_name)
 
-    def _wait_or_superseded(self, delay: float, deadline: float) -> bool:
-        """Sleep ``delay`` (capped at the deadline); return True if a newer save arrived or the writer closes."""
+    def _wait_or_superseded(self, delay: float, deadline: float, generation: int) -> bool:
+        """Sleep ``delay`` (capped at the deadline); return True if a newer save arrived, the state was rolled
+        back, or the writer closes."""
         with self._cond:
-            if self._queue or self._closing:
+            if self._queue or self._closing or generation != self._generation:
                 return True
             self._cond.wait(max(0.0, min(delay, deadline - time.monotonic())))
-            return bool(self._queue) or self._closing
+            return bool(self._queue) or self._closing or generation != self._generation
 
     def _persist(self, job: _Job) -> None:
+        with self._cond:
+            if job.generation != self._generation:  # rolled back past it while it was being taken off the queue
+                job.snapshot.release()
+                self._finish(job.handle, CheckpointError(f"step {job.step} abandoned: the state was rolled back"))
+                return
+            self._writing = job.step
+        try:
+            self._persist_job(job)
+        finally:
+            with self._cond:
+                self._writing = None
+                self._cond.notify_all()
+
+    def _persist_job(self, job: _Job) -> None:
         step, handle = job.step, job.handle
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
@@ -478,10 +591,16 @@ class CheckpointWriter:
         while True:
             try:
                 if storage.exists(commit_path(step)):
+                    # Not after a roll-back (rewind() retired later commits): an earlier attempt of this same
+                    # history committed it; its parts are the ones the commit record describes, so leave them and
+                    # count the step as done (the durable position advances; later cuts are not deferred)
                     logger.info("checkpoint step %d is already committed; not rewriting part %s", step, self.part_name)
                     handle.persist_s, handle.persist_cpu_s = time.perf_counter() - t0, time.thread_time() - c0
+                    self._last_durable = step
                     if self.is_committer:
                         handle.committed = True
+                        self._last_committed = step
+                    self._progress_at = time.monotonic()
                     self._finish(handle)
                     return
                 storage.delete(part_meta_path(step, self.part_name))
@@ -491,6 +610,9 @@ class CheckpointWriter:
             except Exception as exc:
                 now = time.monotonic()
                 reason = exc if isinstance(exc, CheckpointError) else storage.describe_error(exc)
+                if isinstance(exc, StorageError) and exc.refused:
+                    self._refused(job, exc)
+                    return
                 if now >= job.deadline:
                     self._write_trouble.fail(
                         "step %d: write failed, giving up after %.1fs (%s): %s",
@@ -502,12 +624,16 @@ class CheckpointWriter:
                     "step %d: write failed (%s), retrying until the step's deadline (%s)",
                     step, reason, self._since_progress(),
                 )
-                if self._wait_or_superseded(delay, job.deadline):
+                if self._wait_or_superseded(delay, job.deadline, job.generation):
                     logger.debug("checkpoint part %s step %d: giving up, a newer save is queued", self.part_name, step)
                     self._finish(handle, CheckpointError(f"step {step}: part {self.part_name!r} not written: {reason}"))
                     return
                 delay = min(delay * 2, self.max_poll_interval_s)
         self._write_trouble.ok("writes succeed again")
+        self.refused = None
+        if job.generation != self._generation:  # rolled back while it was being written: never durable
+            self._finish(handle, CheckpointError(f"step {step} abandoned: the state was rolled back"))
+            return
         handle.persist_s = time.perf_counter() - t0
         handle.persist_cpu_s = time.thread_time() - c0
         handle.bytes = meta.size
@@ -526,6 +652,24 @@ class CheckpointWriter:
         pending.found[self.part_name] = meta
         with self._cond:
             self._pending[step] = pending
+
+    def _refused(self, job: _Job, exc: StorageError) -> None:
+        """Storage refuses this part for good (full, read-only, over a file-size limit, forbidden): give the step
+        up now, without retrying, and remove what was written of it (the part here; the whole step directory on
+        the committer), so that a resumed run finds no half-written step."""
+        step = job.step
+        self.refused = CheckpointError(f"step {step}: part {self.part_name!r} not written, storage refuses it: "
+                                       f"{exc}")
+        self._write_trouble.fail("step %d: storage refuses the write, giving up the step without retrying (%s): %s",
+                                 step, self._since_progress(), exc)
+        for path in ((step_dir(step),) if self.is_committer else
+                     (part_meta_path(step, self.part_name), part_data_path(step, self.part_name))):
+            try:
+                if not self.storage.exists(commit_path(step)):
+                    self.storage.delete(path, recursive=path == step_dir(step))
+            except Exception as cleanup:  # a read-only file system refuses that too: nothing half-written, then
+                logger.debug("checkpoint step %d: cannot remove %s: %s", step, path, cleanup)
+        self._finish(job.handle, self.refused)
 
     def _part_complete(self, meta: PartMeta) -> bool:
         """Whether the part file described by ``meta`` is there with the recorded size."""
@@ -555,6 +699,18 @@ class CheckpointWriter:
                     for n in vanished:  # deleted or truncated between its write and now: never commit it
                         del p.found[n]
                     missing = vanished
+                if not missing and self.stopped is None and self.before_commit is not None:
+                    try:
+                        self.before_commit(step)
+                    except Exception as exc:
+                        self.stopped = exc
+                        logger.error("checkpoint step %d: not committed, and no later step will be: %s", step, exc)
+                if self.stopped is not None:
+                    with self._cond:
+                        stopped = [self._pending.pop(s) for s in list(self._pending)]
+                    for q in stopped:
+                        self._finish(q.handle, CheckpointError(f"step {q.step} not committed: {self.stopped}"))
+                    return
                 if not missing:
                     record = CommitRecord(
                         step=step,

@@ -38,6 +38,7 @@ import re
 import socket
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -46,13 +47,14 @@ from profiler.profile import Profile
 
 from ..checkpoint import (CheckpointError, CheckpointWriter, CorruptCheckpointError, Storage, list_committed,
                           load_part, read_commit)
+from ..checkpoint.owner import Owner, OwnershipError
 from ..checkpoint.peer import PeerServer, PeerTier, peer_token
 from ..checkpoint.shm import MemoryTier, UntrustedTierError
 from ..checkpoint.storage import Buffers
 from ..checkpoint.tiers import Tier
 from ..checkpoint.snapshot import immutable
 from ..checkpoint.tiers import TierWriter
-from ..errors import PipelineError, PipelineSetupError, say
+from ..errors import JobError, PipelineError, PipelineSetupError, say
 from ..pipeline.executor import CUT, DURABLE, REPLAN, STOP
 from ..pipeline.group import CommGroup
 from ..pipeline.hooks import Hooks
@@ -78,8 +80,10 @@ class CheckpointConfig:
     """Where and when to checkpoint."""
 
     url: str | None = None
-    """The durable tier: any fsspec URL (a local directory, ``s3://bucket/prefix``, ``memory://...``); ``None``:
-    no durable checkpoints (the memory tier alone, for in-place recovery)."""
+    """The durable tier: a directory every rank reaches, or any fsspec URL that every process sees the same
+    (``s3://bucket/prefix``, ...; not ``memory://``, whose data lives inside each process: refused); ``None``:
+    no durable checkpoints (the memory tier alone, for in-place recovery). The location belongs to one job at a
+    time (see :mod:`pipedream_ft.checkpoint.owner`)."""
     storage_options: dict[str, Any] | None = None
     """fsspec options, e.g. ``{"client_kwargs": {"endpoint_url": ...}}`` for S3-compatible servers."""
     policy: CheckpointPolicy = field(default_factory=lambda: EveryNSteps(100))
@@ -106,7 +110,21 @@ class CheckpointConfig:
     interval: the policy stretches the interval and logs it). ``False``: take every checkpoint the policy asks
     for, waiting for storage if it must (saves are never dropped either way)."""
 
+    job_id: str | None = None
+    """This job's identity as the owner of ``url``. ``None``: torchrun's run id (``--rdzv-id``; stable across
+    torchrun's restarts of a job, and across reruns that pass the same id), else the id the job keeps in
+    torchrun's agent store (stable across restarts of one torchrun), else a new random id per start. A rerun of
+    the same command with another identity resumes from the location only once the previous owner's lease has
+    expired (or it ended); a job refuses a location that another job took over after it last wrote there."""
+    owner_lease_s: float = 60.0
+    """How long the owner record stays valid without a heartbeat (renewed every quarter of it): a second job
+    is refused while it is valid; a job whose process died on this host frees it at once."""
+
     def __post_init__(self) -> None:
+        if self.owner_lease_s <= 0:
+            raise ValueError(f"owner_lease_s must be > 0, got {self.owner_lease_s}")
+        if self.job_id is not None and not self.job_id:
+            raise ValueError("job_id must not be empty (use None for the default identity)")
         if self.url is not None and not self.url:
             raise ValueError("checkpoint url must not be empty (use None for no durable tier)")
         if self.url is None and self.memory_policy is None:
@@ -115,6 +133,10 @@ class CheckpointConfig:
             raise ValueError(f"keep and memory_keep must be >= 1, got {self.keep}, {self.memory_keep}")
         if self.grace_s <= 0 or self.commit_timeout_s <= 0:
             raise ValueError(f"grace_s and commit_timeout_s must be > 0, got {self.grace_s}, {self.commit_timeout_s}")
+
+
+_KEY_FINISH_PART = "ckpt-finish/{position}/part/{rank}"
+_KEY_FINISH_VERDICT = "ckpt-finish/{position}/verdict"
 
 
 def plan_hash(plan: Plan, mode: Mode) -> str:
@@ -200,14 +222,26 @@ class Checkpointer:
                          "stages": [[list(s.layers), s.replicas] for s in plan.stages]}
         self.storage: Storage | None = None
         self.writer: CheckpointWriter | None = None
+        self.owner: Owner | None = None
+        self._profile = profile
         if config.url is not None:
             self.storage = Storage(config.url, config.storage_options)
+            if self.storage.per_process():
+                raise PipelineSetupError(
+                    f"checkpoint url {self.storage.url}: {self.storage.protocol}:// keeps its data inside each "
+                    "process (every rank would see only its own parts: nothing could ever commit, and nothing "
+                    "outlives the job); use a directory every rank reaches, or an object store")
             self.storage.check_writable()
-            if profile is not None and topo.rank == 0:
-                store_profile(self.storage, profile)
+            if topo.rank == 0:
+                env = coordinator.env
+                identity = config.job_id or (f"run-{env.run_id}" if env.run_id not in ("", "none") else None) \
+                    or job or f"start-{uuid.uuid4().hex[:16]}"
+                self.owner = Owner(self.storage, job=identity, model_hash=plan.profile_hash,
+                                   plan_hash=self.plan_hash, lease_s=config.owner_lease_s)
             self.writer = CheckpointWriter(self.storage, self.part, expected_parts=parts,
                                            is_committer=topo.rank == 0, keep=config.keep,
-                                           commit_timeout_s=config.commit_timeout_s, metadata=self.metadata)
+                                           commit_timeout_s=config.commit_timeout_s, metadata=self.metadata,
+                                           before_commit=self.owner.check if self.owner is not None else None)
         self.memory_tier: MemoryTier | None = None
         self.memory: TierWriter | None = None
         self.buddy: _BuddyTier | None = None
@@ -262,6 +296,8 @@ class Checkpointer:
         self.last_save_s = 0.0
         self._handles: list[Any] = []
         self._started = time.time()
+        self.unfinished: str | None = None
+        """After :meth:`finish`: why the last durable cut is not committed (``None`` if it is, or none was due)."""
 
     def attach(self, group: CommGroup) -> None:
         """The process group of the current epoch (for agreeing on a checkpoint)."""
@@ -315,7 +351,19 @@ class Checkpointer:
         raise CorruptCheckpointError(f"cut {cut}: part {self.part} cannot be restored ({'; '.join(problems)})")
 
     def restored(self, cut: int) -> None:
-        """The state was rolled back to ``cut``: decide and save cuts after it again."""
+        """The state was rolled back to ``cut``: decide and save cuts after it again. What the durable tier holds
+        of later cuts belongs to a history that does not go on: saves of them are abandoned and rank 0 retires
+        their commits (see :meth:`CheckpointWriter.rewind`), so those cuts are written anew when reached."""
+        if self.owner is not None and self.owner.token is None:  # a replacement of rank 0's process
+            self.owner.adopt()
+            self.owner.start_heartbeat()
+        if self.writer is not None:
+            retired = self.writer.rewind(cut)
+            if retired:
+                say(f"pipedream-ft: resumed at {cut}; checkpoints {', '.join(map(str, retired))} of the abandoned "
+                    "history retired", sys.stdout)
+            if self.last_saved > cut:
+                self.last_saved = -1
         self.last_cut = cut
         for policy in (self.config.policy, self.config.memory_policy):
             if policy is not None:
@@ -326,9 +374,10 @@ class Checkpointer:
         in some tier (its part verified), or a durable checkpoint of another plan of this model (an elastic
         resize: resharded by layer), whichever is newer; older ones if a part does not verify. Returns the
         position to continue from, or ``None``. A collective."""
+        assert self.group is not None
+        self._claim()
         if not self.config.resume:
             return None
-        assert self.group is not None
         mine = self.restorable_cuts()
         common = set(mine)
         for cuts in self.group.all_gather_object(mine):
@@ -343,6 +392,27 @@ class Checkpointer:
                 self.restored(start)
                 return start
         return None
+
+    def _claim(self) -> None:
+        """Rank 0 claims the durable location for this job (see :mod:`pipedream_ft.checkpoint.owner`) before
+        anything is written there; every rank stops with the same line if it is another job's. A collective."""
+        assert self.group is not None
+        problem = ""
+        if self.owner is not None:
+            try:
+                note = self.owner.claim()
+                log.info("checkpoint location %s: %s (job %s)", self.owner.storage.url, note, self.owner.job)
+                if note.startswith("taken over"):
+                    say(f"pipedream-ft: checkpoint location {self.owner.storage.url} {note}", sys.stdout)
+                self.owner.start_heartbeat()
+                if self._profile is not None and self.storage is not None:
+                    store_profile(self.storage, self._profile)
+            except CheckpointError as exc:
+                problem = str(exc)
+        if self.storage is not None:
+            problem = self.group.all_gather_object(problem)[0]
+        if problem:
+            raise OwnershipError(problem)
 
     def _restore_same(self, cut: int) -> int | None:
         """Load this rank's part of ``cut`` (written under this plan); ``None`` if some rank's part does not verify."""
@@ -417,6 +487,10 @@ class Checkpointer:
         cut = b + 1
         if cut % self.window or cut <= self.last_cut:
             return 0
+        lost = (self.owner.lost if self.owner is not None else None) or \
+            (self.writer.stopped if self.writer is not None else None)
+        if lost is not None:  # another job took the location over: stop before writing into its checkpoints
+            raise JobError(str(lost))
         durable = DURABLE if self.writer is not None else 0
         if self.preemption_requested(now):
             assert self.preemption is not None
@@ -572,11 +646,76 @@ class Checkpointer:
     def finish(self, position: int) -> None:
         """Wait for pending saves, and leave together: rank 0 may still be writing the last commit record
         (slow storage, retries), and the collective that follows must not time out waiting for it. The other
-        ranks wait on the store, whose timeout is the commit timeout, not the process group's."""
+        ranks wait on the store, whose timeout is the commit timeout, not the process group's.
+
+        Each rank first finishes its own part of the last durable cut and tells rank 0 (through the store)
+        whether storage took it; rank 0 commits it, or gives it up at once when a part is known never to come
+        (storage refused it), and says which. If the last durable cut is not committed, :attr:`unfinished`
+        holds the line every rank then raises at :meth:`close` (after the caller saved its results)."""
         self.flush_memory(self.config.commit_timeout_s)
         if self.writer is not None:
-            self.writer.flush(timeout=self.config.commit_timeout_s)
+            self._finish_durable(position)
         self.coordinator.leave_together(position, self.config.commit_timeout_s + 30)
+        if self.writer is not None:
+            store = self._finish_store()
+            if store is not None and self.topo.rank != 0:
+                verdict = store.get(_KEY_FINISH_VERDICT.format(position=position)).decode()
+                self.unfinished = verdict or None
+
+    def _finish_store(self) -> Any:
+        epoch = getattr(self.coordinator, "epoch", None)
+        return epoch.store if epoch is not None and self.topo.world_size > 1 else None
+
+    def _last_error(self) -> str:
+        """Why this rank's part of the last durable cut was not written ("" if it was, or there is none)."""
+        last = [h for h in self._handles if h.step == self.last_saved]
+        if not last or last[-1].error is None:
+            return ""
+        return str(last[-1].error)
+
+    def _finish_durable(self, position: int) -> None:
+        assert self.writer is not None
+        writer, timeout = self.writer, self.config.commit_timeout_s
+        store = self._finish_store()
+        if self.topo.rank != 0:
+            writer.flush(timeout=timeout)
+            if store is not None:
+                store.set(_KEY_FINISH_PART.format(position=position, rank=self.topo.rank), self._last_error())
+            return
+        if writer.backlog:
+            msg = (f"waiting up to {timeout:.0f}s for checkpoint {self.last_saved} to commit (every rank's part "
+                   "durable, then the commit record)")
+            log.info(msg)
+            say(f"pipedream-ft: {msg}", sys.stdout)
+        writer.flush_parts(timeout)
+        problems = []
+        if store is not None:
+            from datetime import timedelta
+
+            keys = [_KEY_FINISH_PART.format(position=position, rank=r) for r in range(1, self.topo.world_size)]
+            try:
+                store.wait(keys, timedelta(seconds=timeout + 30))
+                problems = [f"rank {r}: {v}" for r, v in
+                            zip(range(1, self.topo.world_size), (store.get(k).decode() for k in keys)) if v]
+            except Exception as exc:
+                problems = [f"not every rank reported its part ({exc})"]
+        if problems:
+            writer.give_up(problems[0])
+        writer.flush(timeout=timeout)
+        verdict = ""
+        if self.last_saved >= 0:
+            last = [h for h in self._handles if h.step == self.last_saved]
+            if last and not last[-1].committed:
+                why = problems[0] if problems else (str(last[-1].error) if last[-1].error is not None
+                                                    else f"not committed within {timeout:.0f}s")
+                newest = writer.last_committed
+                verdict = (f"checkpoint {self.last_saved} in {self.storage.url if self.storage else '?'} could not "
+                           f"be committed: {why}; the newest committed checkpoint is "
+                           f"{newest if newest is not None else 'none'} (training itself finished)")
+                log.error(verdict)
+        self.unfinished = verdict or None
+        if store is not None:
+            store.set(_KEY_FINISH_VERDICT.format(position=position), verdict)
 
     def discard_memory(self) -> None:
         """Remove this node's memory tier (the job is done; local rank 0 calls it after everybody finished)."""
@@ -584,6 +723,9 @@ class Checkpointer:
             self.memory_tier.destroy()
 
     def close(self) -> None:
+        """Stop the writers and the owner's heartbeat (releasing the location); then, if the last durable
+        cut could not be committed (see :meth:`finish`), raise :class:`CheckpointError` with its line, on every
+        rank, once: the job ends with a non-zero status although its results were saved."""
         for writer in (self.memory, self.writer):
             if writer is not None:
                 writer.close(timeout=self.config.commit_timeout_s)
@@ -591,3 +733,8 @@ class Checkpointer:
             self.peer_server.close()
         if self.preemption is not None:
             self.preemption.uninstall()
+        if self.owner is not None:
+            self.owner.release()
+        unfinished, self.unfinished = self.unfinished, None
+        if unfinished:
+            raise CheckpointError(unfinished)
