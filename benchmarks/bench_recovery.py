@@ -1,6 +1,7 @@
 """Recovery time after a worker dies: in-place recovery against torchrun's whole-group restarts, measured in one run.
 
-Run: ``python benchmarks/bench_recovery.py [--failures 5] [--peer-failures 3] [--quick] [--no-peers] [--no-hang]``.
+Run: ``python benchmarks/bench_recovery.py [--failures 5] [--peer-failures 3] [--quick] [--no-peers] [--no-hang]
+[--no-supervisor] [--no-double]``.
 Model flags: ``--width 1024 --blocks 8 --batch 16`` (8.4M parameters, the fault-tolerance benchmarks' MLP as a
 straight 4-stage pipeline on 4 CPU processes, ``OMP_NUM_THREADS=1``); ``--memory-every 4`` (memory-tier
 checkpoint interval), ``--timeout 5`` (peer timeout).
@@ -24,6 +25,22 @@ time ``K``. Each process records its milestones (see :mod:`recovery_worker`). Fo
 torch imported); they resume from the newest checkpoint every rank has (the memory tier of the node, else the
 durable one). *total* = ``K`` → every stage's first optimizer step in the new attempt.
 
+**torchrun's restart floor**, measured in the same run and printed beside every restart figure: a trivial
+training script (:mod:`floor_worker`: ``import torch``, one ``Linear`` and its SGD step every 20 ms) killed the
+same way, kill → every worker's first step in the next attempt, with the default start and with ``--run-path
+--start-method fork``. Restart figures are split: *torchrun* (kill → every new worker running the script),
+*imports* (→ every ``main`` started; under :func:`pipedream_ft.launch` in place, the supervisor's warm-up and
+fork too), *set-up* (→ every trainer built, its group joined and its checkpoint restored) and *first step*.
+
+**Supervisor kill** (``--no-supervisor`` to skip; in place, ``--max-restarts 1``): the torchrun worker process
+of one rank (the training process's supervisor) is SIGKILLed, as an OOM killer would; torchrun ends the others
+and restarts the group, which resumes from the memory tier. Reported like a torchrun restart, against the
+default-start floor.
+
+**Double kill** (``--no-double`` to skip; in place): one worker is killed and its replacement is killed again
+0.4 s after it starts, while the group forms again. Reported: kill → every stage's first step after the group
+formed without both, against the single kill's median.
+
 **Hung worker** (``--no-hang`` to skip): one worker is SIGSTOPped and never continued; its neighbours notice after
 the peer timeout, the group evicts it, its supervisor kills it and starts a replacement. Reported: the time from
 the hang to every stage's first step after the recovery, minus the peer timeout.
@@ -46,6 +63,7 @@ from typing import Any
 
 _HERE = Path(__file__).resolve().parent
 WORKER = _HERE / "recovery_worker.py"
+FLOOR = _HERE / "floor_worker.py"
 
 __all__ = ["main"]
 
@@ -57,16 +75,18 @@ def _port() -> int:
 
 
 def run_job(events: Path, recovery: str, kills: list[tuple[int, int]], total: int, args: argparse.Namespace,
-            *, fork: bool = False, hang: bool = False, restarts: int = 0) -> subprocess.CompletedProcess:
+            *, fork: bool = False, hang: bool = False, restarts: int = 0, extra: tuple[str, ...] = (),
+            worker: Path = WORKER) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", f"--max-restarts={restarts}",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_port()}", "--monitor-interval", "0.1"]
     if fork:
         cmd += ["--run-path", "--start-method", "fork"]
-    cmd += [str(WORKER), "--events", str(events), "--total", str(total), "--width", str(args.width),
+    cmd += [str(worker), "--events", str(events), "--total", str(total), "--width", str(args.width),
             "--blocks", str(args.blocks), "--batch", str(args.batch), "--memory-every", str(args.memory_every),
             "--timeout", str(args.timeout), "--kills", ",".join(f"{r}:{s}" for r, s in kills)]
     if hang:
         cmd.append("--hang")
+    cmd += list(extra)
     env = dict(os.environ, OMP_NUM_THREADS="1", PIPEDREAM_FT_RECOVERY=recovery,
                PYTHONPATH=os.pathsep.join([str(_HERE.parent), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -116,6 +136,59 @@ def restart_totals(events: Path) -> list[float]:
     return out
 
 
+RESTART_PHASES = ["torchrun", "imports", "set-up", "first step", "total"]
+
+
+def restart_phases(events: Path) -> list[dict[str, float]]:
+    """Per failure of a job that torchrun restarts: the phases from the kill to every worker's first step in the
+    next attempt (see the module docstring)."""
+    procs, kills = _load(events)
+    rows = []
+    for k in kills:
+        nxt = [p for p in procs if p["attempt"] == k["attempt"] + 1 and p["incarnation"] == 0]
+        if len(nxt) != 4 or not all("first_update" in p["timeline"] for p in nxt):
+            continue
+        started = max(p["started"] for p in nxt)
+        imported = max(p["main_start"] for p in nxt)
+        ready = max(p["timeline"].get("restored", p["main_start"]) for p in nxt)
+        first = max(p["timeline"]["first_update"] for p in nxt)
+        rows.append({"torchrun": started - k["time"], "imports": imported - started, "set-up": ready - imported,
+                     "first step": first - ready, "total": first - k["time"]})
+    return rows
+
+
+def double_kill_total(events: Path) -> float | None:
+    """Kill → every stage's first step after the group formed again without the killed process and its killed
+    replacement."""
+    procs, kills = _load(events)
+    if not kills or not (events / "double.json").exists():
+        return None
+    t0 = kills[0]["time"]
+    per_rank: dict[int, float] = {}
+    for p in procs:
+        times = [r["first_update"] for r in p["recoveries"] if "first_update" in r]
+        if p["incarnation"] >= 1 and "first_update" in p["timeline"]:
+            times.append(p["timeline"]["first_update"])
+        for t in times:
+            if t > t0:
+                per_rank[p["rank"]] = max(per_rank.get(p["rank"], 0.0), t)
+    return max(per_rank.values()) - t0 if len(per_rank) == 4 else None
+
+
+def _print_restarts(label: str, rows: list[dict[str, float]], floor: float | None) -> float | None:
+    if not rows:
+        print(f"{label}: no complete restart recorded", flush=True)
+        return None
+    med = {c: statistics.median(r[c] for r in rows) for c in RESTART_PHASES}
+    against = f"; floor {floor:.2f}s, + {med['total'] - floor:.2f}s" if floor is not None else ""
+    print(f"{label} ({len(rows)}): " + ", ".join(f"{c} {med[c]:.2f}s" for c in RESTART_PHASES) + against,
+          flush=True)
+    return med["total"]
+
+
+_START = {False: "default start", True: "--run-path --start-method fork"}
+
+
 def _kills(n: int, spacing: int, first: int = 30) -> list[tuple[int, int]]:
     ranks = [2, 1, 3, 0]
     return [(ranks[i % 4], first + i * spacing) for i in range(n)]
@@ -134,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="2 in-place failures, 1 per peer")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-hang", action="store_true")
+    ap.add_argument("--no-supervisor", action="store_true")
+    ap.add_argument("--no-double", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
         args.failures, args.peer_failures = 2, 1
@@ -153,21 +228,39 @@ def main(argv: list[str] | None = None) -> int:
         if rows:
             print(f"{'median':>12} " + " ".join(f"{statistics.median(r[c] for r in rows):>9.3f}s" for c in cols))
         median = statistics.median(r["total"] for r in rows) if rows else float("nan")
+        floors: dict[bool, float | None] = {}
+        for fork in (False, True):
+            events = work / f"floor-{int(fork)}"
+            run_job(events, "restart", [(2, 30)], 60, args, fork=fork, restarts=1, worker=FLOOR)
+            floors[fork] = _print_restarts(f"torchrun restart floor, trivial script ({_START[fork]})",
+                                           restart_phases(events), None)
         peers: dict[str, float] = {}
         if not args.no_peers:
-            for label, fork in (("torchrun restart (default start)", False),
-                                ("torchrun restart (--run-path --start-method fork)", True)):
+            for fork in (False, True):
+                label = f"pipedream-ft restart path, no in-place recovery ({_START[fork]})"
                 pk = _kills(args.peer_failures, args.spacing)
                 events = work / ("fork" if fork else "spawn")
                 run_job(events, "restart", pk, pk[-1][1] + args.spacing, args, fork=fork,
                         restarts=args.peer_failures)
-                totals = restart_totals(events)
-                if totals:
-                    peers[label] = statistics.median(totals)
-                    print(f"{label}: kill -> every stage's first step, median {peers[label]:.3f}s over "
-                          f"{len(totals)} failures ({', '.join(f'{t:.2f}' for t in totals)})", flush=True)
+                total = _print_restarts(label, restart_phases(events), floors[fork])
+                if total is not None:
+                    peers[label] = total
+        if not args.no_supervisor:
+            events = work / "supervisor"
+            run_job(events, "in-place", [(2, 30)], 30 + args.spacing, args, restarts=1, extra=("--supervisor",))
+            _print_restarts(f"supervisor kill, in place ({_START[False]})", restart_phases(events), floors[False])
         print(f"\nin-place median {median:.3f}s (target <= 1.5s)"
               + "".join(f"; {median / v:.2f}x {k}" for k, v in peers.items()))
+        if not args.no_double:
+            events = work / "double"
+            run_job(events, "in-place", [(2, 30)], 30 + args.spacing, args, extra=("--double", "0.4"))
+            total = double_kill_total(events)
+            if total is not None:
+                print(f"double kill (the replacement killed again 0.4s after it started): every stage's first step "
+                      f"{total:.2f}s after the first kill = {total / median:.2f}x the single kill's median "
+                      "(target <= 2x)", flush=True)
+            else:
+                print("double kill: no complete recovery recorded", flush=True)
         if not args.no_hang:
             hk = [(3, 30)]
             run_job(work / "hang", "in-place", hk, 30 + args.spacing, args, hang=True)

@@ -5,15 +5,22 @@ ReLU`` blocks, 8.4M parameters by default) as a straight 4-stage pipeline until 
 :func:`pipedream_ft.launch` (``PIPEDREAM_FT_RECOVERY`` picks in-place recovery or torchrun restarts).
 ``--kills R:S,R:S,...``: the ``k``-th entry kills rank ``R`` (SIGKILL, or SIGSTOP with ``--hang``) as it starts
 the forward of minibatch ``S`` in the group's attempt ``k`` (restart count plus in-place recoveries), after
-writing the time to ``--events/kill-k.json``.
+writing the time to ``--events/kill-k.json``. ``--supervisor``: SIGKILL the rank's supervisor (the torchrun
+worker process, the training process's parent) instead; ``--double S``: the replacement of a killed process
+kills itself too, ``S`` seconds after it starts (while the group forms again).
 
-Every process writes ``--events/r{rank}-a{attempt}-i{incarnation}.json``: when ``main`` started, the trainer's
+Every process writes ``--events/r{rank}-a{attempt}-i{incarnation}.json``: when its interpreter started running
+this file (``started``; a forked replacement inherits its supervisor's), when ``main`` started, the trainer's
 milestones (``timeline``: start, joined, formed, restored, first_update) and, for the processes that survived
 failures, one record per in-place recovery (failed, formed, restored, first_update, epoch, cut); the last stage
 also the time each minibatch's loss was computed.
 """
 
 from __future__ import annotations
+
+import time
+
+STARTED = time.time()
 
 import argparse
 import json
@@ -42,11 +49,13 @@ __all__ = ["main"]
 class _Killer(Hooks):
     """Kills this process at the forward of a minibatch, in one attempt of the group, stamping the time first."""
 
-    def __init__(self, kills: list[tuple[int, int]], rank: int, events: Path, hang: bool) -> None:
+    def __init__(self, kills: list[tuple[int, int]], rank: int, events: Path, hang: bool,
+                 supervisor: bool = False) -> None:
         self.kills = kills
         self.rank = rank
         self.events = events
         self.hang = hang
+        self.supervisor = supervisor
         self.attempt = 0
 
     def on_event(self, name: str, **args: Any) -> None:
@@ -60,6 +69,9 @@ class _Killer(Hooks):
         if rank == self.rank and action.index >= step:
             (self.events / f"kill-{self.attempt}.json").write_text(
                 json.dumps({"time": time.time(), "rank": rank, "step": action.index, "attempt": self.attempt}))
+            if self.supervisor:
+                os.kill(os.getppid(), signal.SIGKILL)  # the training process dies with it (PDEATHSIG)
+                time.sleep(60)
             os.kill(os.getpid(), signal.SIGSTOP if self.hang else signal.SIGKILL)
 
 
@@ -77,6 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=10.0)
     ap.add_argument("--kills", default="")
     ap.add_argument("--hang", action="store_true", help="SIGSTOP instead of SIGKILL")
+    ap.add_argument("--supervisor", action="store_true", help="kill the rank's supervisor instead")
+    ap.add_argument("--double", type=float, default=None,
+                    help="a replacement process kills itself this many seconds after it starts")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
@@ -84,14 +99,25 @@ def main(argv: list[str] | None = None) -> None:
     incarnation = int(os.environ.get("PIPEDREAM_FT_INCARNATION", "0"))
     events = Path(args.events)
     events.mkdir(parents=True, exist_ok=True)
+    if args.double is not None and incarnation == 1:
+        def die() -> None:
+            time.sleep(args.double)
+            (events / "double.json").write_text(json.dumps({"time": time.time(), "rank": rank}))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=die, daemon=True).start()
     record: dict[str, Any] = {"rank": rank, "attempt": attempt, "incarnation": incarnation, "pid": os.getpid(),
-                              "main_start": main_start, "timeline": {}, "recoveries": [], "losses_at": []}
+                              "started": STARTED, "main_start": main_start, "timeline": {}, "recoveries": [],
+                              "losses_at": []}
     out = events / f"r{rank}-a{attempt}-i{incarnation}.json"
 
-    def dump() -> None:
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record))
-        tmp.replace(out)
+    lock = threading.Lock()
+
+    def dump() -> None:  # from the main thread and the one below: one at a time
+        with lock:
+            tmp = out.with_suffix(".tmp")
+            tmp.write_text(json.dumps(record))
+            tmp.replace(out)
 
     stamps: list[float] = record["losses_at"]
 
@@ -109,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint=CheckpointConfig(url=args.ckpt, policy=EveryNSteps(args.every),
                                     memory_policy=EveryNSteps(args.memory_every), keep=2, commit_timeout_s=60),
     )
-    killer = _Killer(kills, rank, events, args.hang)
+    killer = _Killer(kills, rank, events, args.hang, args.supervisor)
     killer.attempt = trainer.faults.attempt
     trainer.hooks.add(killer)
     record["timeline"] = trainer.timeline

@@ -25,16 +25,26 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from typing import Any, Callable, NoReturn
 
 from .crashlog import crashed
 from .env import read_env
-from .errors import EXIT_SETUP, run_reporting_errors
+from .errors import EXIT_RUNTIME, EXIT_SETUP, run_reporting_errors
 
 __all__ = ["RECOVERY_MODES", "launch"]
 
 RECOVERY_MODES = ("in-place", "restart")
+
+
+def _die_on_sigterm() -> None:
+    """The training failed: nothing is left to save, so SIGTERM (torchrun ending the group) ends the process
+    at once instead of asking for an emergency checkpoint that cannot happen. Leaving the interpreter can take
+    a peer timeout (a process group's pending operations); torchrun would otherwise wait for it, or SIGKILL the
+    process after its grace period."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def launch(main: Callable[..., Any], *args: Any, recovery: str | None = None, max_replacements: int = 16,
@@ -62,6 +72,7 @@ def launch(main: Callable[..., Any], *args: Any, recovery: str | None = None, ma
         mine = read_env()  # as the supervisor set it for this process
         if stopped_job(mine) is not None:  # an earlier attempt stopped on an error that would recur: its line is out
             return EXIT_SETUP
+        code = EXIT_RUNTIME
         try:
             code, _ = run_reporting_errors(main, *args, **kwargs)
             if code == EXIT_SETUP:
@@ -69,6 +80,8 @@ def launch(main: Callable[..., Any], *args: Any, recovery: str | None = None, ma
         except Exception as exc:  # not a known error: one line, the traceback to a file, no replacement loop
             code = crashed(mine, exc)
         finally:
+            if code != 0:
+                _die_on_sigterm()
             release_all()
         if code in (0, EXIT_SETUP):  # the job is over for good: its memory-tier parts would only fill RAM
             from .checkpoint.shm import leave_all
