@@ -76,9 +76,10 @@ def main() -> int:
     print("== 4. results", flush=True)
     records = [json.loads(l) for p in sorted((out / "metrics").glob("metrics-rank*.jsonl"))
                for l in p.read_text().splitlines() if l.strip()]
-    curve = sorted((r["minibatches"], r["attempt"], r["loss"]) for r in records if "loss" in r)
-    first = [l for _, _, l in curve[:20]]
-    last = [l for _, _, l in curve[-20:]]
+    # one loss per minibatch: a minibatch redone after a recovery has a record from each process that ran it
+    by_minibatch = {r["minibatches"]: r["loss"] for r in sorted(records, key=lambda r: r["time"]) if "loss" in r}
+    curve = [by_minibatch[b] for b in sorted(by_minibatch)]
+    first, last = curve[:20], curve[-20:]
     print(f"   loss: first 20 minibatches {sum(first) / len(first):.4f} → last 20 {sum(last) / len(last):.4f}")
     attempts = sorted({r["attempt"] for r in records})
     redone = max((r["redone"] for r in records if r["attempt"] == attempts[-1]), default=0)

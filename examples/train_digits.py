@@ -185,9 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         window = min(LOG_EVERY, len(losses))
         first, last = float(np.mean(losses[:window])), float(np.mean(losses[-window:]))
         accuracy = evaluate(state, data.test_x, data.test_y)
-        rate = len(losses) / result.seconds if result.seconds > 0 else float("inf")
-        print(f"first loss {first:.4f}")
-        print(f"final loss {last:.4f}")
+        rate = result.trained / result.seconds if result.seconds > 0 else float("inf")
+        end = result.start + len(losses)
+        print(f"first loss {first:.4f} (minibatches {result.start}-{result.start + window - 1})")
+        print(f"final loss {last:.4f} (minibatches {end - window}-{end - 1})")
         print(f"held-out accuracy {accuracy:.4f} ({len(data.test_y)} images)")
         print(f"time {result.seconds:.2f} s, {rate:.1f} minibatches/s, {rate * args.batch_size:.0f} images/s",
               flush=True)

@@ -239,8 +239,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _report(args: argparse.Namespace, data: TextData, state: dict[str, torch.Tensor], losses: list[float],
-            start: int, seconds: float, extra: dict[str, Any]) -> None:
-    """Rank 0's (or the single process's) summary: loss curve, held-out loss, sample, throughput."""
+            start: int, seconds: float, extra: dict[str, Any], trained: int | None = None) -> None:
+    """Rank 0's (or the single process's) summary: loss curve, held-out loss, sample, throughput (of the
+    ``trained`` minibatches this process ran in ``seconds``; default all of ``losses``)."""
     from statistics import fmean
 
     for end in range(LOG_EVERY, len(losses) + 1, LOG_EVERY):
@@ -250,12 +251,14 @@ def _report(args: argparse.Namespace, data: TextData, state: dict[str, torch.Ten
     window = min(LOG_EVERY, len(losses))
     first, last = fmean(losses[:window]), fmean(losses[-window:])
     held = held_out_loss(model, data)
-    tokens = len(losses) * data.tokens_per_minibatch
+    trained = len(losses) if trained is None else trained
+    tokens = trained * data.tokens_per_minibatch
     rate = tokens / seconds if seconds > 0 else float("inf")
-    print(f"first loss {first:.4f}")
-    print(f"final loss {last:.4f}")
+    end = start + len(losses)
+    print(f"first loss {first:.4f} (minibatches {start}-{start + window - 1})")
+    print(f"final loss {last:.4f} (minibatches {end - window}-{end - 1})")
     print(f"held-out loss {held:.4f} ({len(data.held)} bytes held out; uniform bytes would be {math.log(256):.4f})")
-    print(f"time {seconds:.2f} s, {len(losses) / seconds:.2f} minibatches/s, {rate:.0f} tokens/s", flush=True)
+    print(f"time {seconds:.2f} s, {trained / seconds:.2f} minibatches/s, {rate:.0f} tokens/s", flush=True)
     if args.sample:
         text = generate(model, args.prompt, args.sample, args.temperature, args.seed)
         print(f"sample (temperature {args.temperature:g}):\n{text}", flush=True)
@@ -316,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             _report(args, data, state, result.losses, result.start, result.seconds,
                     {"predicted_s_per_minibatch": plan.time_per_minibatch_s, "stages": plan.num_stages,
-                     "resumed_from": trainer.resumed_from, "rank_stats": stats})
+                     "resumed_from": trainer.resumed_from, "rank_stats": stats}, trained=result.trained)
     return 0
 
 

@@ -64,6 +64,7 @@ from .pipeline.group import CommGroup, GroupError
 from .pipeline.hooks import HookList, Hooks
 from .pipeline.modes import MODES, Mode, make_mode
 from .pipeline.precision import LossScale, LossScaler, autocast_context, check_autocast
+from .pipeline.record import TrainRecord
 from .pipeline.schedule import Action
 from .pipeline.scheduler import SchedulerFactory, attach_scheduler
 from .pipeline.stage import build_stage, executed_layers, model_layers
@@ -139,11 +140,18 @@ class TrainResult:
     """What :meth:`PipelineTrainer.train` returns on every rank."""
 
     losses: list[float]
-    """Loss of each minibatch trained, in minibatch order."""
+    """Loss of each minibatch of the call, ``start`` onwards, in minibatch order: the whole history on every rank,
+    also after a recovery that replaced processes (a replacement restores the losses before its cut with its
+    checkpoint part, see :mod:`pipedream_ft.pipeline.record`)."""
     start: int
-    """First minibatch number of this call."""
+    """First minibatch number of this call (for a process that continues a call from a restored cut, the call's
+    start, not the cut)."""
     seconds: float
+    """Seconds this process spent in the call."""
     stats: RankStats = field(default_factory=RankStats)
+    trained: int = 0
+    """Minibatches this process took the call forward in ``seconds`` (from where it began, which is the restored
+    cut for a replacement): the numerator of a throughput."""
 
 
 def _backend_and_device(env: DistEnv, backend: str | None) -> tuple[str, torch.device]:
@@ -261,6 +269,8 @@ class PipelineTrainer:
         self.messenger: Messenger | None = None
         self.executor = Executor(topo, self.state, self.mode, device=self.device, loss_fn=loss_fn, seed=config.seed,
                                  hooks=self.hooks)
+        self.record = TrainRecord(lambda: self.executor.losses)
+        self.state.components["record"] = self.record  # a restored part brings its call's loss history back
         self.stepper = Stepper(self.state, topo=topo, synchronous=not self.mode.asynchronous,
                                messenger=self.messenger, clip_grad_norm=config.clip_grad_norm, scaler=self.scaler,
                                scheduler=scheduler)
@@ -615,9 +625,12 @@ class PipelineTrainer:
                                   f"got {steps}")
         ex = self.executor
         self._feed_for(data, steps)
-        start, stop = self.position, self.position + steps
+        stop = self.position + steps
         t0 = time.perf_counter()
-        ex.losses = []
+        began = self.position
+        start, ex.losses = self.record.begin(began, stop)
+        if steps:
+            self._keep_start_cut()
         self.hooks.on_train_start(start, stop)
         mark_training()  # an error from now on is a crash, not a set-up error (see pipedream_ft.crashlog)
         try:
@@ -627,14 +640,27 @@ class PipelineTrainer:
                     break
                 self._recover(failure)
         finally:
+            self.record.end()
             self.hooks.on_train_end(start, stop)
         self.state.position = stop
         self.progress.report(stop, force=True)
         seconds = time.perf_counter() - t0
-        result = TrainResult(ex.gather_losses(), start, seconds, ex.stats)
+        result = TrainResult(ex.gather_losses(), start, seconds, ex.stats, trained=stop - began)
         if self.config.summary:
             self._print_summary(seconds)
         return result
+
+    def _keep_start_cut(self) -> None:
+        """With in-place recovery, make the position training starts from a cut of the memory tier (unless this
+        rank's part of it is there already), and wait until it is stored: so there is always a cut that every rank
+        can restore, even when a rank fails before the policy's first one (a replacement could rebuild the initial
+        state, but the survivors no longer have it)."""
+        ckpt = self.ckpt
+        if self.membership is None or ckpt is None or ckpt.memory is None or ckpt.memory_tier is None:
+            return
+        if self.position not in ckpt.memory_tier.steps([ckpt.part]):
+            ckpt.on_cut(self.position, 0)
+        ckpt.flush_memory(timeout=ckpt.config.commit_timeout_s)
 
     def _run(self, data: DataFn, stop: int) -> str | None:
         """Run the schedule from the current position to ``stop``. Returns ``None`` when done, or — with in-place

@@ -98,7 +98,8 @@ def main() -> None:
         with open(args.out + ".json", "w") as f:
             json.dump({"resumed_from": trainer.resumed_from, "attempt": trainer.env.restart_count,
                        "incarnation": trainer.env.incarnation, "recoveries": trainer.recoveries,
-                       "start_time": t_start, "ready_time": t_ready, "losses": result.losses}, f)
+                       "start_time": t_start, "ready_time": t_ready, "losses": result.losses,
+                       "start": result.start}, f)
     if args.linger:
         deadline = time.monotonic() + 300
         while not os.path.exists(args.linger) and time.monotonic() < deadline:

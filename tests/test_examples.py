@@ -135,3 +135,28 @@ def test_profile_partition_train_chain(tmp_path):
         assert proc.returncode == 0, f"{cmd[2]} failed:\n{proc.stdout}\n{proc.stderr}"
     proc = _run(["--plan", "digits.plan.json", "--steps", "200"], tmp_path)
     _assert_learned(_figures(proc))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_summary_after_the_last_stage_is_replaced_is_the_uninterrupted_one(tmp_path):
+    """Rank 3 (the last stage, which computes the losses) is killed at minibatch 50 and replaced in place: the
+    summary rank 0 prints — the loss of every 20 minibatches, the first and final loss — is the uninterrupted
+    run's, line for line (the replacement used to report only the losses after its cut, so the cut's loss was
+    printed as minibatch 0's)."""
+    _plan([[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10]], [1, 1, 1, 1]).save(tmp_path / "plan.json")
+    args = ["--plan", "plan.json", "--steps", "100", "--save", "w.pt"]
+
+    def summary(proc: subprocess.CompletedProcess[str]) -> list[str]:
+        _figures(proc)  # ran to the end
+        return [l for l in proc.stdout.splitlines() if re.match(r"(minibatch +\d+ +loss|first loss|final loss)", l)]
+
+    clean = summary(_run(args, tmp_path))
+    env = dict(_env(), PIPEDREAM_FT_FAULTS="kill@rank=3,step=50")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                           str(SCRIPT), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)
+    log = proc.stdout + proc.stderr
+    assert "starting replacement 1" in log and "recovered in place" in log, log[-4000:]
+    assert summary(proc) == clean, log[-4000:]
+    assert clean[-2].startswith("first loss") and clean[-2].endswith("(minibatches 0-19)"), clean

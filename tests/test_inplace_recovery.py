@@ -29,13 +29,15 @@ WORKER = Path(__file__).with_name("ft_worker.py")
 TOTAL, EVERY, MEMORY_EVERY, DEPTH = 48, 8, 4, 4
 
 
-def torchrun(tmp: Path, faults: str = "", *extra: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess, Path]:
+def torchrun(tmp: Path, faults: str = "", *extra: str, timeout: float = 240,
+             environ: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp / "final.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--max-restarts=0",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--monitor-interval", "0.5",
            str(WORKER), "--ckpt", str(tmp / "ckpt"), "--total", str(TOTAL), "--every", str(EVERY),
            "--memory-every", str(MEMORY_EVERY), "--out", str(out), "--sleep-ms", "5", "--timeout", "8", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PIPEDREAM_FT_FAULTS=faults, PIPEDREAM_FT_RECOVERY="in-place")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PIPEDREAM_FT_FAULTS=faults, PIPEDREAM_FT_RECOVERY="in-place",
+               **(environ or {}))
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout), out
 
 
@@ -77,13 +79,20 @@ def summary(proc: subprocess.CompletedProcess, out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
-    """An uninterrupted run, which must never recover or restart (a clean run stays clean)."""
+def reference_run(tmp_path_factory) -> tuple[dict[str, torch.Tensor], dict]:
+    """An uninterrupted run, which must never recover or restart (a clean run stays clean): its final weights
+    and rank 0's summary."""
     tmp = tmp_path_factory.mktemp("reference")
     info = summary(*torchrun(tmp))
     assert info["recoveries"] == [] and info["attempt"] == 0 and info["incarnation"] == 0
     assert "recovering" not in info["log"] and "replacement" not in info["log"], info["log"][-3000:]
-    return torch.load(tmp / "final.pt")
+    assert info["start"] == 0 and len(info["losses"]) == TOTAL
+    return torch.load(tmp / "final.pt"), info
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run) -> dict[str, torch.Tensor]:
+    return reference_run[0]
 
 
 def assert_bitwise(out: Path, reference: dict[str, torch.Tensor]) -> None:
@@ -103,6 +112,8 @@ CASES = {
                                               "injecting fault rejoin"),
     "a second failure after the recovery": ("kill@rank=2,step=17;kill@rank=0,step=33,attempt=1", 33, 2,
                                             "starting replacement 1"),
+    # before the memory tier's first cut (4): the group goes back to the start, which every rank keeps as a cut
+    "a crash before the first checkpoint": ("kill@rank=2,step=3", 3, 1, "continuing from checkpoint 0"),
 }
 
 
@@ -120,7 +131,7 @@ def test_in_place_recovery(case, reference, tmp_path):
         cuts = [r["cut"] for r in info["recoveries"]]
         # a cut due while the previous save of its tier was still being written is taken at a later minibatch
         # (the policy stretches the interval), so cuts need not be multiples of the intervals
-        assert cuts and all(0 < c <= failed_at for c in cuts), cuts
+        assert cuts and all(0 <= c <= failed_at for c in cuts), cuts
         assert cuts[-1] >= failed_at - (2 * MEMORY_EVERY + DEPTH), (cuts, log[-4000:])
 
 
@@ -152,6 +163,32 @@ def test_a_source_that_ends_stops_every_rank_with_one_line(tmp_path):
     assert lines == ["pipedream-ft: error: data source EndingSource ended after 22 minibatches "
                      "(minibatch 22 was needed)"], log[-4000:]
     assert "exitcode  : 2" in log and "pipedream_ft/" not in log, log[-4000:]  # no traceback from the library
+
+
+@pytest.mark.parametrize("rank", [3, 0])
+def test_a_replaced_process_reports_the_whole_loss_history_and_no_metrics_line_is_lost(reference_run, tmp_path,
+                                                                                       rank):
+    """The last stage's process (rank 3: it computes the losses) or the reporting one (rank 0: it writes the
+    summary) is killed and replaced: every rank's result still starts at minibatch 0 and holds every
+    minibatch's loss, equal to the uninterrupted run's (the replacement restores its call's losses with its
+    checkpoint part, instead of reporting the cut's loss as minibatch 0's); and the killed process's metrics
+    lines are all in the file (they were buffered in the process and lost with it)."""
+    _, want = reference_run
+    metrics = tmp_path / "metrics"
+    info = summary(*torchrun(tmp_path, f"kill@rank={rank},step=21", environ={"PIPEDREAM_FT_METRICS_DIR": str(metrics)}))
+    log = info["log"]
+    assert log.count("starting replacement") == 1 and "recovering in place" in log, log[-4000:]
+    assert info["incarnation"] == (1 if rank == 0 else 0)  # the summary is the replacement's when rank 0 died
+    assert info["start"] == 0 and len(info["losses"]) == TOTAL, (info["start"], len(info["losses"]))
+    assert info["losses"] == want["losses"]
+    for r in range(4):
+        lines = (metrics / f"metrics-rank{r}.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines]  # every line whole
+        updates = {rec["update"] for rec in records}
+        assert updates == set(range(TOTAL)), (r, sorted(set(range(TOTAL)) - updates))
+        if r == 3:  # the losses the metrics report are the run's too (a redone minibatch twice, the same)
+            losses = {rec["minibatches"] - 1: rec["loss"] for rec in records}
+            assert [losses[b] for b in range(TOTAL)] == want["losses"]
 
 
 def _processes(out: Path) -> dict[int, list[int]]:

@@ -138,7 +138,8 @@ class FaultInjector(Hooks):
         """Arm the checkpoint faults on ``checkpointer``: ``ckpt_crash`` through its storage's writes, ``corrupt``
         before its saves."""
         storage = checkpointer.storage
-        storage.write_bytes = self.wrap_part_write(storage.write_bytes)
+        if storage is not None:  # None: the memory tier alone (no durable writes to crash in)
+            storage.write_bytes = self.wrap_part_write(storage.write_bytes)
         if any(f.kind == "corrupt" for f in self.faults):
             checkpointer.before_save = lambda cut: self._corrupt_before(checkpointer, cut)
 

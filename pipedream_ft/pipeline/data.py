@@ -204,6 +204,8 @@ class StreamFeed:
         self._it = iter(self.iterable)
         while self.reads < position:
             self._read()
+        if self.record and self.reads not in self._ring:  # a cut at the start itself (in-place recovery's first)
+            self._ring[self.reads] = copy.deepcopy(self.iterable.state_dict())
 
     def _read(self) -> tuple[int, Any]:
         if self._it is None:
