@@ -133,7 +133,12 @@ class CommGroup:
             with lock:
                 if state["done"]:
                     break
-                if cancelled():
+                try:
+                    stop = cancelled()
+                except BaseException:  # the store is gone: the job is ending
+                    state["abandoned"] = True
+                    raise
+                if stop:
                     state["abandoned"] = True
                     raise GroupError("the epoch failed while its process groups were being connected")
         error = state["error"]
