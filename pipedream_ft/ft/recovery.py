@@ -258,7 +258,10 @@ class Membership:
         for rec in records.values():
             common &= set(rec["cuts"])
         if not common:
+            # the start of training is itself a memory-tier cut (see PipelineTrainer.train): only a job without the
+            # memory tier and with no committed durable cut yet, or with parts that do not verify, gets here
             raise RecoveryFailed(f"no checkpoint cut that every rank can restore (epoch {epoch}: "
                                  + "; ".join(f"rank {r}: {rec['cuts'][-3:]}" for r, rec in sorted(records.items()))
-                                 + ")")
+                                 + "); in-place recovery restores from the memory tier (CheckpointConfig.memory_policy)"
+                                 " or a committed durable checkpoint")
         return max(common)
