@@ -62,6 +62,7 @@ from .pipeline.executor import DataFn, Executor, RankStats
 from .pipeline.export import pretrained_of, save_model, save_pretrained
 from .pipeline.group import CommGroup, GroupError
 from .pipeline.hooks import HookList, Hooks
+from .pipeline.compensation import Compensation, check_compensation
 from .pipeline.modes import MODES, Mode, make_mode
 from .pipeline.precision import LossScale, LossScaler, autocast_context, check_autocast
 from .pipeline.record import TrainRecord
@@ -84,9 +85,14 @@ class PipelineConfig:
     """How the pipeline trains."""
 
     mode: str = "stash"
-    """``"stash"`` (asynchronous 1F1B with weight stashing), ``"vertical"`` (plus vertical sync) or ``"flush"``."""
+    """``"stash"`` (asynchronous 1F1B with weight stashing), ``"vertical"`` (plus vertical sync), ``"flush"`` or
+    ``"2bw"`` (PipeDream-2BW, see :mod:`pipedream_ft.pipeline.modes`)."""
     flush_every: int = 4
     """Minibatches per optimizer step in ``"flush"`` mode."""
+    update_every: int | None = None
+    """Minibatches per optimizer step in ``"2bw"`` mode (default: the number of stages)."""
+    compensation: Compensation | None = None
+    """Delay compensation in the asynchronous modes (see :mod:`pipedream_ft.pipeline.compensation`)."""
     timeout_s: float = 45.0
     """Longest wait for a peer (a transfer, an all-reduce) before the rank fails naming it."""
     watchdog_s: float | None = 60.0
@@ -126,6 +132,9 @@ class PipelineConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.flush_every < 1:
             raise ValueError(f"flush_every must be >= 1, got {self.flush_every}")
+        if self.update_every is not None and self.update_every < 1:
+            raise ValueError(f"update_every must be >= 1, got {self.update_every}")
+        check_compensation(self.compensation, self.mode)
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.backend not in (None, "gloo", "nccl"):
@@ -218,7 +227,7 @@ class PipelineTrainer:
             raise PlanError(f"the profile (hash {profile.structure_hash()[:12]}) is not the plan's model "
                             f"(hash {plan.profile_hash[:12]})")
         self.original_plan = plan
-        self.mode: Mode = make_mode(config.mode, config.flush_every)
+        self.mode: Mode = make_mode(config.mode, config.flush_every, config.update_every)
         if plan.world_size != env.world_size and len(ml.names) == plan.num_layers:
             plan = self._replan(plan, checkpoint)
         elif checkpoint is not None and checkpoint.url is not None:
@@ -273,7 +282,7 @@ class PipelineTrainer:
         self.state.components["record"] = self.record  # a restored part brings its call's loss history back
         self.stepper = Stepper(self.state, topo=topo, synchronous=not self.mode.asynchronous,
                                messenger=self.messenger, clip_grad_norm=config.clip_grad_norm, scaler=self.scaler,
-                               scheduler=scheduler)
+                               scheduler=scheduler, compensation=config.compensation, delay=self.mode.delay(topo))
         self.executor.step = self.stepper.step
         self.executor.autocast = autocast_context(config.autocast_dtype, self.device)
         if self.scaler is not None:

@@ -5,6 +5,15 @@ forward and backward of minibatch b on stage s use that stage's weights after
 ``version(b, s)`` updates (``max(0, b - (S - 1 - s))`` for weight stashing, ``max(0, b - (S - 1))`` on every
 stage for vertical sync), and stage s's update b applies that gradient to its latest weights.
 
+``two_bw_reference``: PipeDream-2BW — minibatches in windows of m; every stage's forward and backward of a
+minibatch of window k use its weights after ``max(0, k - 1)`` updates, and update k applies the window's mean
+gradient to the latest weights.
+
+Both take a delay ``compensation``: each stage's update u of delay d (``S - 1 - s`` for stashing, ``S - 1`` for
+vertical sync, 1 for 2BW) runs with the learning rate times ``1 / (1 + d)`` (or ``(1 + d) ** -(1 - min(u / K, 1))``
+with a warm-up of K updates), and with weight prediction the version it publishes is ``w + (w - w_before) * d``
+(the weights read by forwards and backwards), the update itself applying to the real weights ``w``.
+
 ``minibatch_sgd_reference``: plain synchronous SGD of the whole model over windows of K minibatches.
 """
 
@@ -31,6 +40,7 @@ def weight_stashing_reference(
     *,
     vertical: bool = False,
     seed: int = 0,
+    compensation: Any = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Final weights (original keys) and per-minibatch losses of PipeDream's semantics.
 
@@ -46,11 +56,47 @@ def weight_stashing_reference(
     def version(b: int, s: int) -> int:
         return max(0, b - (S - 1)) if vertical else max(0, b - (S - 1 - s))
 
-    losses = _train_segment(stages, opts, 0, steps, version, data, loss_fn, seed, tied_opts)
+    delays = [S - 1 if vertical else S - 1 - s for s in range(S)]
+    losses = _train_segment(stages, opts, 0, steps, version, data, loss_fn, seed, tied_opts, delays=delays,
+                            compensation=compensation)
     state: dict[str, torch.Tensor] = {}
     for st in stages:
         state.update({k: v.detach().clone() for k, v in st.state_dict().items()})
     return state, losses
+
+
+def two_bw_reference(
+    model: nn.Module,
+    plan: Plan,
+    data: Callable[[int], tuple[Any, Any]],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    steps: int,
+    every: int,
+    *,
+    seed: int = 0,
+    compensation: Any = None,
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Final weights and per-minibatch losses of PipeDream-2BW with update interval ``every`` (no tied weights)."""
+    S = plan.num_stages
+    stages = [build_stage(model_layers(model), plan, s) for s in range(S)]
+    own, tied = _split_tied(stages)
+    assert not tied, "the 2BW reference has no tied parameters"
+    opts = [optimizer_factory(p) if p else None for p in own]
+    losses = _train_segment(stages, opts, 0, steps, lambda b, s: max(0, b // every - 1), data, loss_fn, seed,
+                            every=every, delays=[1] * S, compensation=compensation)
+    state: dict[str, torch.Tensor] = {}
+    for st in stages:
+        state.update({k: v.detach().clone() for k, v in st.state_dict().items()})
+    return state, losses
+
+
+def _lr_factor(compensation: Any, delay: int, update: int) -> float:
+    if compensation is None or not compensation.lr_scale or delay == 0:
+        return 1.0
+    if compensation.lr_warmup:
+        return float((1 + delay) ** -(1.0 - min(update / compensation.lr_warmup, 1.0)))
+    return 1.0 / (1 + delay)
 
 
 def _split_tied(stages: list[nn.Module]) -> tuple[list[list[nn.Parameter]], list[tuple[nn.Parameter, list[int]]]]:
@@ -76,15 +122,26 @@ def _train_segment(
     loss_fn: Callable[[Any, Any], torch.Tensor],
     seed: int,
     tied_opts: list[torch.optim.Optimizer] | None = None,
+    *,
+    every: int = 1,
+    delays: list[int] | None = None,
+    compensation: Any = None,
 ) -> list[float]:
     """Minibatches ``start .. stop-1`` one at a time through ``stages``: stage s's forward and backward of b use
-    its weights after ``version(b, s)`` updates, then every stage applies update b. Returns the losses."""
+    its weights after ``version(b, s)`` updates; after each window of ``every`` minibatches every stage applies its
+    update on the window's mean gradient (``every=1``: update b on b's gradient), with ``compensation`` over the
+    stage's delay ``delays[s]``. Returns the losses."""
     S = len(stages)
+    assert every == 1 or not _split_tied(stages)[1]
+    delays = delays or [0] * S
+    predict = compensation is not None and compensation.predict
     own, tied = _split_tied(stages)
     tied_ids = {id(p) for p, _ in tied}
     names = [[n for n, p in st.named_parameters() if id(p) not in tied_ids] for st in stages]
     tied_names = [{s: next(n for n, q in stages[s].named_parameters() if q is p) for s in h} for p, h in tied]
-    versions: list[dict[int, list[torch.Tensor]]] = [{start: [p.detach().clone() for p in lv]} for lv in own]
+    first = start // every
+    versions: list[dict[int, list[torch.Tensor]]] = [{first: [p.detach().clone() for p in lv]} for lv in own]
+    acc: list[list[torch.Tensor | None]] = [[None] * len(lv) for lv in own]
     tversions: list[dict[int, torch.Tensor]] = [{start: p.detach().clone()} for p, _ in tied]
     losses = []
     for b in range(start, stop):
@@ -108,16 +165,36 @@ def _train_segment(
             xs = list(out) if s < S - 1 else [out]
         loss = loss_fn(xs[0], data(b)[1])
         losses.append(float(loss.detach()))
+        if every != 1:
+            loss = loss * (1.0 / every)
         leaves = [t for ps in used for t in ps] + [leaf for d in tied_used for leaf in d.values()]
         grads = dict(zip(map(id, leaves), torch.autograd.grad(loss, leaves, allow_unused=True)))
         for s in range(S):
-            for p, t in zip(own[s], used[s]):
+            for i, t in enumerate(used[s]):
                 g = grads[id(t)]
-                p.grad = None if g is None else g.detach()
+                prev = acc[s][i]
+                if g is not None:
+                    acc[s][i] = g.detach().clone() if prev is None else prev.add_(g)
+        if (b + 1) % every:
+            continue
+        u = b // every  # the update applied now; versions[s][u + 1] is what it publishes
+        for s in range(S):
+            for i, p in enumerate(own[s]):
+                p.grad, acc[s][i] = acc[s][i], None
+            before = [p.detach().clone() for p in own[s]]
             if opts[s] is not None:
+                factor = _lr_factor(compensation, delays[s], u)
+                base = [g["lr"] for g in opts[s].param_groups]
+                for g in opts[s].param_groups:
+                    g["lr"] = g["lr"] * factor
                 opts[s].step()
+                for g, lr in zip(opts[s].param_groups, base):
+                    g["lr"] = lr
                 opts[s].zero_grad(set_to_none=True)
-            versions[s][b + 1] = [p.detach().clone() for p in own[s]]
+            if predict and delays[s]:
+                versions[s][u + 1] = [p.detach() + (p.detach() - w) * delays[s] for p, w in zip(own[s], before)]
+            else:
+                versions[s][u + 1] = [p.detach().clone() for p in own[s]]
         for t, (p, h) in enumerate(tied):
             total = None
             for s in h:  # stage order, as the runtime adds them

@@ -9,6 +9,12 @@
   (vertical sync); the version number travels with the activations.
 * :class:`Flush`: 1F1B inside windows of ``flush_every`` minibatches and one optimizer step on their mean
   gradient per window: synchronous minibatch SGD.
+* :class:`TwoBW` (PipeDream-2BW): 1F1B with no flush, one optimizer step per window of ``m`` minibatches on
+  their mean gradient; every stage runs the forward and backward of the minibatches of window ``k`` with its
+  weights after ``max(0, k - 1)`` updates — one update behind, so at most two weight versions per stage.
+
+Each mode names its :meth:`Mode.delay`: how many updates a stage's gradient is late by when it is applied,
+which delay compensation (:mod:`pipedream_ft.pipeline.compensation`) works from.
 """
 
 from __future__ import annotations
@@ -19,13 +25,13 @@ from typing import ClassVar
 
 from partitioner.plan import PlanError
 
-from .schedule import Action, flushing, in_flight, one_f_one_b
+from .schedule import Action, double_buffered, flushing, in_flight, one_f_one_b
 from .topology import Topology
 from .versions import Version, VersionStore
 
-__all__ = ["MODES", "Mode", "Stash", "Vertical", "Flush", "make_mode"]
+__all__ = ["MODES", "Mode", "Stash", "Vertical", "Flush", "TwoBW", "make_mode"]
 
-MODES = ("stash", "vertical", "flush")
+MODES = ("stash", "vertical", "flush", "2bw")
 
 
 class Mode(ABC):
@@ -62,6 +68,11 @@ class Mode(ABC):
         """Factor applied to each minibatch's loss before its backward."""
         return 1.0
 
+    @abstractmethod
+    def delay(self, topo: Topology) -> int:
+        """Updates between the weights this rank's gradients are computed on and the weights they are applied to:
+        update ``u`` applies a gradient taken at version ``u - delay`` (in steady state)."""
+
     def __repr__(self) -> str:
         return self.name
 
@@ -81,6 +92,9 @@ class Stash(Mode):
         round_ = minibatch // topo.replicas[topo.stage]
         return versions.get(max(0, round_ - (in_flight(topo.stage, topo.replicas) - 1)))
 
+    def delay(self, topo: Topology) -> int:
+        return in_flight(topo.stage, topo.replicas) - 1
+
 
 class Vertical(Stash):
     """Every stage uses the weight version stage 0 used for the minibatch."""
@@ -98,6 +112,9 @@ class Vertical(Stash):
         if topo.is_first:
             return super().version_for(topo, versions, minibatch, tag)
         return versions.get(tag)
+
+    def delay(self, topo: Topology) -> int:
+        return in_flight(0, topo.replicas) - 1
 
 
 class Flush(Mode):
@@ -135,16 +152,100 @@ class Flush(Mode):
     def loss_scale(self) -> float:
         return 1.0 / self.flush_every
 
+    def delay(self, topo: Topology) -> int:
+        return 0
+
     def __repr__(self) -> str:
         return f"flush(every {self.flush_every})"
 
 
-def make_mode(name: str, flush_every: int = 4) -> Mode:
-    """The mode called ``name`` (one of :data:`MODES`)."""
+class TwoBW(Mode):
+    """PipeDream-2BW: double-buffered weights, gradients coalesced over windows of ``every`` minibatches.
+
+    The schedule is PipeDream's 1F1B without a flush; a stage takes its update ``k`` — the mean gradient of
+    window ``k`` (minibatches ``[k m, (k + 1) m)``) — right after its last backward of that window. Every
+    stage runs the forward and the backward of a minibatch of window ``k`` with its weights after
+    ``max(0, k - 1)`` updates, so update ``k`` applies a gradient taken one update behind:
+    ``W(k + 1) = W(k) - lr * grad(W(k - 1))``. A stage keeps at most two versions (the current one and the one
+    before it), whatever its depth; the whole pipeline reads one consistent version per minibatch.
+
+    ``every`` (``m``) defaults to the number of stages (the paper's choice). The pipeline never waits for a
+    version as long as ``m`` is at least the in-flight depth of every stage minus one, in minibatches (``S - 1``
+    for a straight pipeline of ``S`` stages); :meth:`check` refuses a smaller one, and an ``m`` that is not a
+    multiple of every stage's replica count.
+
+    **Checkpoint cuts** fall on window boundaries (:meth:`window` is a multiple of ``m``, like flush's): at a cut
+    every update of the windows before it is applied and no gradient is pending; the checkpoint holds the current
+    version and the one before it (which the next window's forwards read), so a resumed run continues exactly.
+    Gradient clipping takes the window's global norm, as in flush mode (the window's gradient of the whole model
+    at one version exists at each update).
+    """
+
+    name = "2bw"
+    asynchronous = False  # gradients are a window's sum, not one minibatch's
+
+    def __init__(self, every: int | None = None) -> None:
+        if every is not None and every < 1:
+            raise ValueError(f"the 2bw update interval must be >= 1, got {every}")
+        self.every = every
+        self._checked: int | None = None
+        """The interval of the topology last checked (its loss scale)."""
+
+    def interval(self, topo: Topology) -> int:
+        """``m``: minibatches per update (default: the number of stages)."""
+        return self.every if self.every is not None else topo.num_stages
+
+    def check(self, topo: Topology) -> None:
+        m = self.interval(topo)
+        lcm = math.lcm(*topo.replicas)
+        if m % lcm:
+            raise PlanError(f"the 2bw update interval {m} must be a multiple of {lcm}, the least common multiple "
+                            f"of the plan's replica counts {list(topo.replicas)}")
+        for s, r in enumerate(topo.replicas):
+            depth = in_flight(s, topo.replicas)
+            if m // r < depth - 1:
+                raise PlanError(f"the 2bw update interval {m} is too short for stage {s}: its {r} replica(s) keep "
+                                f"{depth} minibatches each in flight, so the interval must be at least "
+                                f"{(depth - 1) * r}")
+        self._checked = m
+
+    def schedule(self, topo: Topology, start: int, stop: int) -> list[Action]:
+        return double_buffered(topo.stage, topo.replica, topo.replicas, start, stop, self.interval(topo))
+
+    def window(self, topo: Topology) -> int:
+        return math.lcm(super().window(topo), self.interval(topo))
+
+    def update_unit(self, topo: Topology) -> int:
+        return self.interval(topo)
+
+    def versions_kept(self, topo: Topology) -> int:
+        return 1
+
+    def version_for(self, topo: Topology, versions: VersionStore, minibatch: int, tag: int) -> Version:
+        return versions.get(max(0, minibatch // self.interval(topo) - 1))
+
+    def loss_scale(self) -> float:
+        m = self.every if self.every is not None else self._checked
+        if m is None:
+            raise RuntimeError("2bw's default interval is the number of stages: check(topo) comes first")
+        return 1.0 / m
+
+    def delay(self, topo: Topology) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        return f"2bw(every {self.every if self.every is not None else 'stage count'})"
+
+
+def make_mode(name: str, flush_every: int = 4, update_every: int | None = None) -> Mode:
+    """The mode called ``name`` (one of :data:`MODES`); ``update_every`` is 2bw's update interval (default: the
+    number of stages)."""
     if name == "stash":
         return Stash()
     if name == "vertical":
         return Vertical()
     if name == "flush":
         return Flush(flush_every)
+    if name == "2bw":
+        return TwoBW(update_every)
     raise ValueError(f"mode must be one of {MODES}, got {name!r}")

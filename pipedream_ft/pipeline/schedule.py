@@ -11,7 +11,8 @@ flight — ``S - s`` in a straight pipeline of ``S`` stages — enough to keep e
 many forwards, then alternates one backward and one forward (1F1B) and never flushes.
 
 The flushing variant runs windows of ``K`` minibatches with 1F1B inside each window, then one update for the
-window: synchronous minibatch SGD.
+window: synchronous minibatch SGD. The double-buffered variant (PipeDream-2BW) is PipeDream's 1F1B without a
+flush whose update ``U k`` follows the last backward of window ``k`` (``K`` minibatches).
 
 :func:`simulate` executes a set of schedules on a unit-time clock, honouring every data dependency and the
 collective ``U`` steps, and raises :class:`ScheduleError` on a deadlock; :func:`render` draws the grid.
@@ -29,6 +30,7 @@ __all__ = [
     "replica_minibatches",
     "one_f_one_b",
     "flushing",
+    "double_buffered",
     "simulate",
     "render",
 ]
@@ -103,6 +105,30 @@ def flushing(stage: int, replica: int, replicas: Sequence[int], start: int, stop
             if i + k < len(mine):
                 actions.append(Action("F", mine[i + k]))
         actions.append(Action("U", w))
+    return actions
+
+
+def double_buffered(stage: int, replica: int, replicas: Sequence[int], start: int, stop: int,
+                    window: int) -> list[Action]:
+    """PipeDream-2BW: asynchronous 1F1B (no flush) with one update per window of ``window`` minibatches, right
+    after this replica's last backward of the window."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    _check_window(start, stop, replicas)
+    if (stop - start) % window or start % window:
+        raise ValueError(f"minibatches [{start}, {stop}) are not whole windows of {window}")
+    lcm = math.lcm(*replicas)
+    if window % lcm:
+        raise ValueError(f"window {window} must be a multiple of every stage's replica count (lcm {lcm})")
+    mine = replica_minibatches(replica, replicas[stage], start, stop)
+    k = min(in_flight(stage, replicas), len(mine))
+    actions = [Action("F", b) for b in mine[:k]]
+    for i, b in enumerate(mine):
+        actions.append(Action("B", b))
+        if (b + replicas[stage]) // window != b // window:  # this replica's last of the window
+            actions.append(Action("U", b // window))
+        if i + k < len(mine):
+            actions.append(Action("F", mine[i + k]))
     return actions
 
 

@@ -11,6 +11,12 @@ step (or skip), step the LR scheduler.
 * **float16 loss scaling** (flush mode only; see :mod:`pipedream_ft.pipeline.precision`): gradients are
   unscaled first; the found-inf flags ride in the same all-reduce, and all stages skip the update together.
 
+* **Delay compensation** (``PipelineConfig(compensation=...)``, the asynchronous modes; see
+  :mod:`pipedream_ft.pipeline.compensation`): the learning rate of the step is scaled by the stage's delay, and
+  the version published after it is extrapolated along the step.
+* In ``"2bw"`` mode, as in ``"flush"``, the gradient is a window's, of the whole model at one version: clipping
+  takes its global norm.
+
 Replicas of a stage hold identical gradients after their all-reduce, so they take identical decisions. A stage
 without parameters has nothing to step but still joins the flush-mode all-reduce.
 """
@@ -22,6 +28,7 @@ import math
 import torch
 
 from .comm import Messenger
+from .compensation import Compensation, Compensator
 from .precision import LossScaler
 from .scheduler import SchedulerComponent
 from .state import StageState
@@ -35,7 +42,8 @@ class Stepper:
 
     def __init__(self, state: StageState, *, topo: Topology, synchronous: bool, messenger: Messenger,
                  clip_grad_norm: float | None = None, scaler: LossScaler | None = None,
-                 scheduler: SchedulerComponent | None = None) -> None:
+                 scheduler: SchedulerComponent | None = None, compensation: Compensation | None = None,
+                 delay: int = 0) -> None:
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be > 0, got {clip_grad_norm}")
         if scaler is not None and not synchronous:
@@ -47,6 +55,8 @@ class Stepper:
         self.clip = clip_grad_norm
         self.scaler = scaler
         self.scheduler = scheduler
+        self.compensator = Compensator(compensation, delay) if compensation is not None and compensation.active \
+            else None
         self.last_norm: float | None = None
         """The gradient norm of the last update (the global one in flush mode), when clipping."""
 
@@ -77,12 +87,22 @@ class Stepper:
             self.last_norm = float(torch.nn.utils.clip_grad_norm_(state.live_params, self.clip))
         if state.optimizer is not None:
             if not skip:
-                state.optimizer.step()
+                self._step(state)
             state.optimizer.zero_grad(set_to_none=True)
         if self.scaler is not None:
             self.scaler.update(skip)
         if self.scheduler is not None:
             self.scheduler.step()
+
+    def _step(self, state: StageState) -> None:
+        assert state.optimizer is not None
+        comp = self.compensator
+        if comp is None:
+            state.optimizer.step()
+            return
+        comp.before_step(state.params, state.optimizer, state.versions.current.updates)
+        state.optimizer.step()
+        state.versions.offset = comp.after_step(state.params, state.optimizer)
 
     def _scale(self, grads: list[torch.Tensor], norm: float) -> None:
         assert self.clip is not None

@@ -8,6 +8,9 @@ it: the stash is exactly the set of versions still referenced, never more.
 
 With vertical sync, a stage uses the version stage 0 used for the same minibatch, so versions are also kept
 by update number until no later minibatch can ask for them.
+
+A version need not equal the live weights: with weight prediction
+(:mod:`pipedream_ft.pipeline.compensation`) the next :meth:`VersionStore.publish` adds an offset to them.
 """
 
 from __future__ import annotations
@@ -51,15 +54,24 @@ class VersionStore:
         """Versions older than this were never kept (the pipeline was re-planned here): asking for one gives the
         version at the floor."""
         self.history: dict[int, Version] = {}
+        self.offset: list[torch.Tensor] | None = None
+        """Added to the live weights by the next :meth:`publish` only (weight prediction), then cleared."""
         self.current = self._snapshot(updates)
 
-    def _snapshot(self, updates: int) -> Version:
-        return Version(updates, tuple(p.detach().clone().requires_grad_(p.requires_grad) for p in self._params))
+    def _snapshot(self, updates: int, offset: list[torch.Tensor] | None = None) -> Version:
+        if offset is None:
+            return Version(updates, tuple(p.detach().clone().requires_grad_(p.requires_grad) for p in self._params))
+        if len(offset) != len(self._params):
+            raise ValueError(f"a version offset needs one tensor per parameter ({len(self._params)}), "
+                             f"got {len(offset)}")
+        return Version(updates, tuple(p.detach().clone().add_(o).requires_grad_(p.requires_grad)
+                                      for p, o in zip(self._params, offset)))
 
     def publish(self) -> Version:
-        """Record the live weights (just updated) as the next version."""
+        """Record the live weights (just updated), plus :attr:`offset` if set, as the next version."""
         old = self.current
-        self.current = self._snapshot(old.updates + 1)
+        offset, self.offset = self.offset, None
+        self.current = self._snapshot(old.updates + 1, offset)
         if self.keep:
             self.history[old.updates] = old
             for k in [k for k in self.history if k < self.current.updates - self.keep]:
