@@ -4,6 +4,16 @@ Example (from the repository root)::
 
     pipedream-profile examples.models:digits_cnn --input-shape 1,8,8 --batch-size 32 -o digits.json
 
+The model is ``MODULE:FACTORY`` (imported with the current directory on the path) or ``path/to/file.py:FACTORY``
+(from any directory; the file's directory goes on the path, so it may import its neighbours); ``--model``
+names it as well. A model with several inputs gets one ``--input NAME:SHAPE[:KIND]`` per input, in the order
+of its forward's arguments (SHAPE of one sample; KIND a floating dtype such as ``float32`` (random normal),
+``int:VOCAB`` (random token ids in ``[0, VOCAB)``) or ``ones`` (an all-ones int64 mask: no padding)), e.g. a
+Hugging Face model wrapped by :func:`profiler.hf.for_pipeline` with its attention mask::
+
+    pipedream-profile mymodels.py:llama --input input_ids:128:int:32000 --input attention_mask:128:ones \
+        --batch-size 8 -o llama.json
+
 ``OUT`` ending in ``.json`` gets the JSON format, anything else PipeDream's ``graph.txt``. Errors are one line
 on stderr starting with ``pipedream-profile: error:`` and exit status 2; the output is then left untouched.
 """
@@ -27,8 +37,12 @@ PROG = "pipedream-profile"
 
 def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog=PROG, description="Profile a PyTorch model layer by layer for PipeDream partitioning.")
-    p.add_argument("target", metavar="MODULE:FACTORY", help="factory returning the model, e.g. examples.models:digits_cnn")
-    p.add_argument("--input-shape", required=True, metavar="C,H,W", help="shape of one sample, comma separated")
+    p.add_argument("target", nargs="?", metavar="MODULE:FACTORY",
+                   help="factory returning the model, e.g. examples.models:digits_cnn or path/to/file.py:factory")
+    p.add_argument("--model", metavar="MODULE:FACTORY", help="the model, as the positional argument names it")
+    p.add_argument("--input-shape", metavar="C,H,W", help="shape of one sample, comma separated (one input)")
+    p.add_argument("--input", action="append", default=[], metavar="NAME:SHAPE[:KIND]",
+                   help="one model input (repeat, in the forward's order): KIND float32..., int:VOCAB or ones")
     p.add_argument("--batch-size", required=True, type=int, metavar="N", help="minibatch size")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default="float32", help="floating dtype of model and input (default float32)")
@@ -40,28 +54,71 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _parse_shape(text: str) -> tuple[int, ...]:
+def _parse_shape(text: str, option: str = "--input-shape") -> tuple[int, ...]:
     parts = [s.strip() for s in text.split(",")]
     try:
         shape = tuple(int(s) for s in parts)
     except ValueError:
-        raise CliError(f"bad --input-shape {text!r}: expected positive integers separated by commas, e.g. 1,8,8") from None
+        raise CliError(f"bad {option} {text!r}: expected positive integers separated by commas, e.g. 1,8,8") from None
     if not shape or any(d <= 0 for d in shape):
-        raise CliError(f"bad --input-shape {text!r}: dimensions must be positive")
+        raise CliError(f"bad {option} {text!r}: dimensions must be positive")
     return shape
 
 
-def _load_factory(target: str) -> tuple[str, Any]:
-    module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr:
-        raise CliError(f"bad model {target!r}: expected MODULE:FACTORY, e.g. examples.models:digits_cnn")
-    cwd = os.getcwd()
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)
+def _parse_input(text: str) -> tuple[str, tuple[int, ...], str | None]:
+    """``NAME:SHAPE[:KIND]`` -> (name, shape, kind or None)."""
+    name, sep, rest = text.partition(":")
+    shape_text, _, kind = rest.partition(":")
+    if not sep or not name.isidentifier() or not shape_text:
+        raise CliError(f"bad --input {text!r}: expected NAME:SHAPE[:KIND], e.g. input_ids:128:int:32000")
+    shape = _parse_shape(shape_text, f"--input {name}: shape")
+    if kind and kind != "ones" and not kind.startswith("int:"):
+        return name, shape, kind
+    if kind.startswith("int:"):
+        try:
+            vocab = int(kind[4:])
+        except ValueError:
+            vocab = 0
+        if vocab <= 0:
+            raise CliError(f"bad --input {text!r}: int:VOCAB needs a positive vocabulary size")
+    return name, shape, kind or None
+
+
+def _load_file(path: str) -> Any:
+    import importlib.util
+
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise CliError(f"cannot import {path!r}: no such file")
+    folder = str(file.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(file.stem, module)
     try:
-        module = importlib.import_module(module_name)
+        spec.loader.exec_module(module)
     except Exception as exc:
-        raise CliError(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
+        raise CliError(f"cannot import {path!r}: {type(exc).__name__}: {exc}") from None
+    return module
+
+
+def _load_factory(target: str) -> tuple[str, Any]:
+    module_name, sep, attr = target.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise CliError(f"bad model {target!r}: expected MODULE:FACTORY or path/to/file.py:FACTORY, e.g. "
+                       "examples.models:digits_cnn")
+    if module_name.endswith(".py"):
+        module = _load_file(module_name)
+    else:
+        cwd = os.getcwd()
+        if cwd not in sys.path:
+            sys.path.insert(0, cwd)
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:
+            raise CliError(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
     factory: Any = module
     try:
         for part in attr.split("."):
@@ -110,7 +167,15 @@ def _table(profile: Any) -> str:
 
 def _run(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
-    shape = _parse_shape(args.input_shape)
+    if (args.target is None) == (args.model is None):
+        raise CliError("name the model once: MODULE:FACTORY (or path/to/file.py:FACTORY) or --model")
+    target = args.target or args.model
+    if (args.input_shape is None) == (not args.input):
+        raise CliError("give the input as --input-shape (one input) or as one --input NAME:SHAPE[:KIND] per input")
+    specs = [_parse_input(t) for t in args.input] if args.input else [("input", _parse_shape(args.input_shape), None)]
+    names = [n for n, _, _ in specs]
+    if len(set(names)) != len(names):
+        raise CliError(f"--input names must differ, got {names}")
     if args.batch_size <= 0:
         raise CliError(f"--batch-size must be positive, got {args.batch_size}")
     if args.warmup < 0 or args.repeats < 1:
@@ -133,7 +198,7 @@ def _run(argv: list[str] | None) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
 
-    name, factory = _load_factory(args.target)
+    name, factory = _load_factory(target)
     torch.manual_seed(args.seed)
     try:
         model = factory()
@@ -142,10 +207,16 @@ def _run(argv: list[str] | None) -> int:
     if not isinstance(model, nn.Module):
         raise CliError(f"{name}() returned {type(model).__name__}, not a torch.nn.Module")
     model = model.to(dtype=dtype)
-    if args.int_input is not None:
-        example = torch.randint(0, args.int_input, (args.batch_size, *shape))
-    else:
-        example = torch.randn(args.batch_size, *shape, dtype=dtype)
+    example = tuple(_example(torch, args, shape, kind, dtype, n) for n, shape, kind in specs)
+    if args.input:
+        from .layers import layer_graph
+
+        try:
+            expected = layer_graph(model).input_names
+        except Exception as exc:
+            raise CliError(f"profiling {name} failed: {type(exc).__name__}: {exc}") from None
+        if expected != names:
+            raise CliError(f"{name}() takes inputs {expected}, but --input gives {names} (one per input, in order)")
 
     try:
         profile = profile_model(
@@ -165,6 +236,24 @@ def _run(argv: list[str] | None) -> int:
         print(line)
     print(f"wrote {output} ({len(profile)} layers, structure hash {profile.structure_hash()[:12]})")
     return 0
+
+
+def _example(torch: Any, args: argparse.Namespace, shape: tuple[int, ...], kind: str | None, dtype: Any,
+             name: str) -> Any:
+    """A random minibatch of one input: ``kind`` (``--input``), else ``--int-input`` / ``--dtype``."""
+    size = (args.batch_size, *shape)
+    if kind == "ones":
+        return torch.ones(size, dtype=torch.int64)
+    if kind is not None and kind.startswith("int:"):
+        return torch.randint(0, int(kind[4:]), size)
+    if kind is not None:
+        dt = getattr(torch, kind, None)
+        if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+            raise CliError(f"bad --input {name}: kind {kind!r} is none of a floating dtype, int:VOCAB or ones")
+        return torch.randn(size, dtype=dt)
+    if args.int_input is not None:
+        return torch.randint(0, args.int_input, size)
+    return torch.randn(size, dtype=dtype)
 
 
 def _notes(profile: Any, output: Path) -> list[str]:

@@ -188,3 +188,58 @@ def test_gpt_value_layers_and_tied_embedding(tmp_path: Path, capsys: pytest.Capt
     p = load_profile(out)
     if suffix == ".json":
         assert sum(l.kind == "value" for l in p.layers) == 32 and p.tied[0].name == "wte.weight"
+
+
+_HF_FILE = """
+import torch, transformers
+from profiler.hf import for_pipeline
+
+
+def llama():
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    return for_pipeline(transformers.LlamaForCausalLM(config), ("input_ids", "attention_mask"))
+"""
+
+
+def test_a_file_path_model_with_several_inputs_from_another_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "mine.py").write_text(_HF_FILE)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    out = elsewhere / "p.json"
+    assert main(["--model", "../models/mine.py:llama", "--input", "input_ids:12:int:64", "--input",
+                 "attention_mask:12:ones", "--batch-size", "2", *FAST, "-o", str(out)]) == 0
+    profile = load_profile(str(out))
+    assert [i.name for i in profile.inputs] == ["input_ids", "attention_mask"]
+    assert sum(layer.name.startswith("model_layers_") for layer in profile.layers) == 2
+    # the inputs in another order, or another name, are refused in one line naming the model's
+    assert main(["../models/mine.py:llama", "--input", "attention_mask:12:ones", "--input", "input_ids:12:int:64",
+                 "--batch-size", "2", *FAST, "-o", str(out)]) == 2
+    assert "takes inputs ['input_ids', 'attention_mask'], but --input gives ['attention_mask', 'input_ids']" in \
+        _error_line(capsys)
+
+
+@pytest.mark.parametrize("extra,expect", [
+    (["--input", "x"], "NAME:SHAPE[:KIND]"),
+    (["--input", "x:4:int:0"], "int:VOCAB"),
+    (["--input", "x:4:int32"], "kind 'int32'"),
+    (["--input", "x:4", "--input", "x:4"], "must differ"),
+    (["--input", "x:4", "--input-shape", "4"], "--input-shape (one input) or"),
+    (["--model", "examples.models:mlp", "--input-shape", "64"], "name the model once"),
+    (["--input-shape", "64"], "name the model once"),
+    (["--input", "input:64"], ""),
+])
+def test_input_and_model_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
+                                expect: str) -> None:
+    out = tmp_path / "p.json"
+    target = [] if extra == ["--input-shape", "64"] else ["examples.models:mlp"]  # with --model: named twice
+    rc = main([*target, "--batch-size", "2", *FAST, "-o", str(out), *extra])
+    if not expect:  # --input with the model's one input name works like --input-shape
+        assert rc == 0 and [i.name for i in load_profile(str(out)).inputs] == ["input"]
+        return
+    assert rc == 2
+    assert expect in _error_line(capsys)
+    assert list(tmp_path.iterdir()) == []
