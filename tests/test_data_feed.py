@@ -178,3 +178,20 @@ def test_batches_must_be_pairs():
     with pytest.raises(PipelineSetupError, match="minibatch 3 of data source X is a dict"):
         _split({"x": 1}, 3, "X")
     assert _split(batch_of(ToyData(4), [0, 1]), 0, "X")[0].shape == (2, 12)
+
+
+def test_dict_minibatches_bind_to_the_model_inputs_by_name():
+    from pipedream_ft.pipeline.data import bind_inputs, split_batch
+
+    ids, mask, labels = torch.ones(2, 3), torch.zeros(2, 3), torch.full((2, 3), 7)
+    inputs, targets = split_batch({"input_ids": ids, "labels": labels, "attention_mask": mask}, 0, "DataLoader")
+    assert targets is labels
+    assert bind_inputs(inputs, ["input_ids", "attention_mask"]) == [ids, mask]  # the model's order, not the dict's
+    assert bind_inputs((ids, mask), ["a", "b"]) == [ids, mask] and bind_inputs(ids, ["a"]) == [ids]
+    with pytest.raises(PipelineSetupError, match=r"takes inputs \['input_ids'\], but the minibatch's dict has "
+                                                 r"\['attention_mask'\] besides"):
+        bind_inputs(inputs, ["input_ids"])
+    with pytest.raises(PipelineSetupError, match=r"lacks \['position_ids'\]$"):
+        bind_inputs(inputs, ["input_ids", "attention_mask", "position_ids"])
+    with pytest.raises(PipelineSetupError, match="takes 2 inputs \\['a', 'b'\\], but the data gives 1"):
+        bind_inputs(ids, ["a", "b"])
