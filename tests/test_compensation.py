@@ -1,0 +1,109 @@
+"""Delay compensation (weight prediction, delay-aware learning rate): the options, and the runtime in each
+asynchronous mode on real gloo processes against one-process references of their semantics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from async_cases import async_case
+from dist_helpers import run_world
+from pipedream_reference import two_bw_reference, weight_stashing_reference
+from pipedream_ft import PipelineConfig
+from pipedream_ft.pipeline.compensation import Compensation, Compensator
+from pipedream_ft.pipeline.versions import VersionStore
+from runtime_cases import MODELS, OPTIMIZERS, data, plan_for
+
+pytestmark = pytest.mark.timeout(240)
+
+MLP4 = [[0, 1], [2, 3], [4, 5], [6, 7, 8]]
+MLP3 = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+loss_fn = torch.nn.functional.cross_entropy
+
+
+def test_options_and_their_checks():
+    assert not Compensation().active
+    c = Compensation(lr_scale=True)
+    assert [c.lr_factor(d, 5) for d in (0, 1, 3)] == [1.0, 0.5, 0.25]
+    w = Compensation(lr_scale=True, lr_warmup=4)
+    assert [w.lr_factor(3, u) for u in (0, 2, 4, 9)] == [0.25, 0.5, 1.0, 1.0]
+    with pytest.raises(ValueError, match="lr_warmup=3 .* needs lr_scale=True"):
+        Compensation(lr_warmup=3)
+    with pytest.raises(ValueError, match="lr_warmup must be >= 0, got -1"):
+        Compensation(lr_scale=True, lr_warmup=-1)
+    with pytest.raises(ValueError, match="mode 'flush' has no delay"):
+        PipelineConfig(mode="flush", compensation=Compensation(predict=True))
+    PipelineConfig(mode="2bw", compensation=Compensation(predict=True))
+
+
+def test_prediction_publishes_the_weights_extrapolated_along_the_step():
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = torch.optim.SGD([p], lr=0.5)
+    store = VersionStore([p])
+    comp = Compensator(Compensation(predict=True, lr_scale=True), delay=2)
+    p.grad = torch.tensor([1.0, -2.0])
+    comp.before_step([p], opt, 0)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 / 3)
+    opt.step()
+    store.offset = comp.after_step([p], opt)
+    assert opt.param_groups[0]["lr"] == 0.5  # the scale is for the step only
+    store.publish()
+    step = torch.tensor([-1.0, 2.0]) * (0.5 / 3)
+    assert torch.allclose(p.detach(), torch.tensor([1.0, 2.0]) + step)
+    assert torch.allclose(store.current.tensors[0], torch.tensor([1.0, 2.0]) + 3 * step)  # w + 2 * (w - w_before)
+    store.publish()  # the offset is for one version only
+    assert torch.equal(store.current.tensors[0], p.detach())
+
+
+def _check(out: dict, want: dict, losses: list[float], ranks: int) -> None:
+    for rank in range(ranks):
+        got = out[rank][1]
+        assert sorted(got["state"]) == sorted(want)
+        for k in want:
+            torch.testing.assert_close(got["state"][k], want[k], rtol=0, atol=1e-6, msg=k)
+        assert got["losses"] == pytest.approx(losses, abs=1e-6)
+
+
+def _differs(a: dict, b: dict) -> bool:
+    return any(not torch.allclose(a[k], b[k], atol=1e-4) for k in a)
+
+
+@pytest.mark.slow
+def test_stash_with_prediction_and_a_warmed_up_delay_aware_lr():
+    comp = {"predict": True, "lr_scale": True, "lr_warmup": 8}
+    out = run_world(async_case, 4, {"stages": MLP4, "mode": "stash", "opt": "adam", "total": 16,
+                                    "compensation": comp})
+    model = MODELS["mlp"]()
+    plan = plan_for(model, MLP4)
+    want, losses = weight_stashing_reference(model, plan, data, loss_fn, OPTIMIZERS["adam"], 16,
+                                             compensation=Compensation(**comp))
+    _check(out, want, losses, 4)
+    plain, _ = weight_stashing_reference(MODELS["mlp"](), plan, data, loss_fn, OPTIMIZERS["adam"], 16)
+    assert _differs(want, plain)  # the compensation changed the result
+
+
+@pytest.mark.slow
+def test_vertical_sync_with_prediction():
+    comp = {"predict": True}
+    out = run_world(async_case, 3, {"stages": MLP3, "mode": "vertical", "opt": "sgd", "total": 12,
+                                    "compensation": comp})
+    model = MODELS["mlp"]()
+    plan = plan_for(model, MLP3)
+    want, losses = weight_stashing_reference(model, plan, data, loss_fn, OPTIMIZERS["sgd"], 12, vertical=True,
+                                             compensation=Compensation(**comp))
+    _check(out, want, losses, 3)
+    plain, _ = weight_stashing_reference(MODELS["mlp"](), plan, data, loss_fn, OPTIMIZERS["sgd"], 12, vertical=True)
+    assert _differs(want, plain)
+
+
+@pytest.mark.slow
+def test_2bw_with_prediction_and_a_delay_aware_lr():
+    comp = {"predict": True, "lr_scale": True}
+    out = run_world(async_case, 4, {"stages": MLP4, "mode": "2bw", "opt": "sgd", "total": 16, "compensation": comp})
+    model = MODELS["mlp"]()
+    plan = plan_for(model, MLP4)
+    want, losses = two_bw_reference(model, plan, data, loss_fn, OPTIMIZERS["sgd"], 16, 4,
+                                    compensation=Compensation(**comp))
+    _check(out, want, losses, 4)
+    plain, _ = two_bw_reference(MODELS["mlp"](), plan, data, loss_fn, OPTIMIZERS["sgd"], 16, 4)
+    assert _differs(want, plain)
