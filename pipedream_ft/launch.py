@@ -72,9 +72,16 @@ def launch(main: Callable[..., Any], *args: Any, recovery: str | None = None, ma
         mine = read_env()  # as the supervisor set it for this process
         if stopped_job(mine) is not None:  # an earlier attempt stopped on an error that would recur: its line is out
             return EXIT_SETUP
+        def guarded() -> Any:
+            try:
+                return main(*args, **kwargs)
+            except BaseException:
+                _die_on_sigterm()  # before the failure's line is out: torchrun's SIGTERM may follow it at once
+                raise
+
         code = EXIT_RUNTIME
         try:
-            code, _ = run_reporting_errors(main, *args, **kwargs)
+            code, _ = run_reporting_errors(guarded)
             if code == EXIT_SETUP:
                 stop_job(mine, "a set-up error")
         except Exception as exc:  # not a known error: one line, the traceback to a file, no replacement loop
