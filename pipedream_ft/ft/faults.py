@@ -13,6 +13,8 @@ again unless asked to be (two failures in a row: a second fault with ``attempt=1
 ``exception``   raise :class:`InjectedFault` in the training loop (a runtime error in user code)
 ``hang``        SIGSTOP itself (a hung peer or a network partition; the others' watchdogs must notice)
 ``term``        SIGTERM itself (a preemption notice: an emergency checkpoint, then exit)
+``supervisor``  SIGKILL its supervisor, the torchrun worker process (as an OOM killer would; under
+                :func:`pipedream_ft.launch`'s in-place recovery only): it dies with it, torchrun restarts the group
 ``ckpt_crash``  die (SIGKILL) while writing its part of the first checkpoint at or after ``step``
 ``corrupt``     at a save after checkpoint ``step`` has committed, flip a byte in its part of the newest
                 committed checkpoint, then die
@@ -37,7 +39,7 @@ from ..pipeline.schedule import Action
 
 __all__ = ["KINDS", "Fault", "InjectedFault", "FaultInjector", "parse_faults"]
 
-KINDS = ("kill", "exception", "hang", "term", "ckpt_crash", "corrupt", "rejoin", "connect")
+KINDS = ("kill", "exception", "hang", "term", "supervisor", "ckpt_crash", "corrupt", "rejoin", "connect")
 ENV_VAR = "PIPEDREAM_FT_FAULTS"
 
 
@@ -121,7 +123,7 @@ class FaultInjector(Hooks):
 
     def at_forward(self, step: int) -> None:
         """Called as the rank starts the forward of minibatch ``step``."""
-        f = self._take(("kill", "exception", "hang", "term"), step)
+        f = self._take(("kill", "exception", "hang", "term", "supervisor"), step)
         if f is None:
             return
         say(f"pipedream-ft: rank {self.rank}: injecting fault {f}", sys.stdout)
@@ -131,6 +133,11 @@ class FaultInjector(Hooks):
             raise InjectedFault(f"injected fault {f}")
         elif f.kind == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif f.kind == "supervisor":
+            if not os.environ.get("PIPEDREAM_FT_SUPERVISOR"):
+                raise InjectedFault(f"{f}: this process has no supervisor (in-place recovery under launch only)")
+            os.kill(os.getppid(), signal.SIGKILL)
+            time.sleep(60)  # this process dies with its supervisor (PR_SET_PDEATHSIG)
         else:
             os.kill(os.getpid(), signal.SIGTERM)
 
