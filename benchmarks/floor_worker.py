@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=20.0)
     args, _ = ap.parse_known_args()
     torch.set_num_threads(1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # forked by torchrun's agent (fork start), not its handler
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     events = Path(args.events)
