@@ -21,12 +21,12 @@ Tiers (:mod:`.tiers`): a :class:`TierWriter` saves often into fast tiers — thi
 (:class:`MemoryTier`) and a buddy rank's memory over TCP (:class:`PeerTier` to its :class:`PeerServer`) — while
 the :class:`CheckpointWriter` saves less often to the durable storage (:class:`DurableTier` for reading it)::
 
-    shm = MemoryTier(job_id)                                    # /dev/shm/pdft-<job_id>
-    server = PeerServer(shm, host=node_address).start()        # publish server.address to the buddy
-    fast = TierWriter([shm, PeerTier(buddy_address)], part_name, keep=2)
+    shm = MemoryTier(job_id, key=job_key)                       # /dev/shm/pdft-<job_id>-<tag>, private
+    server = PeerServer(shm, host=node_address, token=peer_token(job_key)).start()  # publish its address
+    fast = TierWriter([shm, PeerTier(buddy_address, token=peer_token(job_key))], part_name, keep=2)
     fast.save(step, state)                                      # each tier's policy decides when
     ...
-    tiers = [shm, PeerTier(buddy_address), DurableTier(storage)]
+    tiers = [shm, PeerTier(buddy_address, token=peer_token(job_key)), DurableTier(storage)]
     mine = available_steps(tiers, part_name)                    # agree across ranks on a step every part has
     step, tier_name, state = load_newest(tiers, part_name, agreed_steps)
     ...

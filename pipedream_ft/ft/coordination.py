@@ -22,10 +22,18 @@ refused``. So nothing is written at the top level:
   own id (``round/<rank>/<supervisor>``): a supervisor of a later torchrun attempt — or on another node, where
   torchrun's restart counts differ — never reads the round (nor, through it, the ``evict/`` keys) of an
   earlier one.
+
+The store has no authentication: any process that reaches its port can read and write every key. The keys
+whose forgery would kill or mislead the job are signed with the job's secret (:mod:`pipedream_ft.ft.secret`;
+HMAC-SHA256 over the run, the round or epoch, the rank and the value, so that a record can be neither forged nor
+replayed elsewhere): ``evict/<rank>`` (with the evicted incarnation), ``preempted`` and ``job-error``. A record
+that does not verify is ignored and logged once. The other keys are not signed: an outsider can still disturb a
+job by writing them (a forged ``decision`` or ``failures``, join records, heartbeats), or read them.
 """
 
 from __future__ import annotations
 
+import hmac
 import hmac
 import json
 import logging
@@ -40,7 +48,9 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.private import mac
+from ..checkpoint.private import mac
 from ..env import DistEnv, read_env
+from .secret import job_secret
 from .secret import job_secret
 from ..errors import PipelineError
 
@@ -123,6 +133,13 @@ class Coordinator:
         round_id = agree_on_round(rounds, self.env.rank, self.env.world_size, self.timeout_s)
         self.epoch = Epoch(round_id, dist.PrefixStore(f"pipedream_ft/{self.env.run_id}/{round_id}/", self.base))
         return self.epoch
+
+    def secret(self) -> bytes:
+        """The job's key, the same in every process of the job (see :mod:`pipedream_ft.ft.secret`)."""
+        if self._secret is None:
+            self._secret = job_secret(job_id=self.job_id(), store=self.job,
+                                      single_node=self.env.ranks_per_node >= self.env.world_size)
+        return self._secret
 
     def secret(self) -> bytes:
         """The job's key, the same in every process of the job (see :mod:`pipedream_ft.ft.secret`)."""
