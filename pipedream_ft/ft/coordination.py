@@ -34,7 +34,6 @@ job by writing them (a forged ``decision`` or ``failures``, join records, heartb
 from __future__ import annotations
 
 import hmac
-import hmac
 import json
 import logging
 import os
@@ -48,9 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.private import mac
-from ..checkpoint.private import mac
 from ..env import DistEnv, read_env
-from .secret import job_secret
 from .secret import job_secret
 from ..errors import PipelineError
 
@@ -133,13 +130,6 @@ class Coordinator:
         round_id = agree_on_round(rounds, self.env.rank, self.env.world_size, self.timeout_s)
         self.epoch = Epoch(round_id, dist.PrefixStore(f"pipedream_ft/{self.env.run_id}/{round_id}/", self.base))
         return self.epoch
-
-    def secret(self) -> bytes:
-        """The job's key, the same in every process of the job (see :mod:`pipedream_ft.ft.secret`)."""
-        if self._secret is None:
-            self._secret = job_secret(job_id=self.job_id(), store=self.job,
-                                      single_node=self.env.ranks_per_node >= self.env.world_size)
-        return self._secret
 
     def secret(self) -> bytes:
         """The job's key, the same in every process of the job (see :mod:`pipedream_ft.ft.secret`)."""
