@@ -428,10 +428,14 @@ def round_owner(env: DistEnv) -> str:
 
 
 def _job_keys(env: DistEnv) -> dist.Store | None:
-    """The job namespace, when a store outlives the attempt (torchrun's agent hosts it); else ``None``."""
+    """The job namespace, when a store outlives the attempt (torchrun's agent hosts it); else ``None``. A
+    connection of its own, with a short timeout, so that the process's own (:func:`base_store`) keeps the
+    timeout its trainer asks for."""
     if not env.use_agent_store:
         return None
-    return dist.PrefixStore(f"pipedream_ft/{env.run_id}/job/", base_store(env, 10.0))
+    client = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+                           timeout=timedelta(seconds=10), wait_for_workers=False)
+    return dist.PrefixStore(f"pipedream_ft/{env.run_id}/job/", client)
 
 
 def stop_job(env: DistEnv, line: str) -> None:

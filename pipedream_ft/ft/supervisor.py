@@ -99,9 +99,14 @@ class Supervisor:
                     say(f"pipedream-ft: rank {self.env.rank}: the training process died ({_describe(code)}) and "
                         f"{self.max_replacements} replacements are used up")
                     return code if code > 0 else 128 - code
-                live.report_failure(live.epoch_of(self.env.rank))
+                try:
+                    live.report_failure(live.epoch_of(self.env.rank))
+                    live.announce_replacement(self.env.rank, incarnation + 1)
+                except Exception as exc:  # the job's store is gone: torchrun's agent is ending the job
+                    say(f"pipedream-ft: rank {self.env.rank}: the training process died ({_describe(code)}) and the "
+                        f"job's store cannot be reached ({type(exc).__name__}); a full restart is needed")
+                    return code if code > 0 else 128 - code
                 incarnation += 1
-                live.announce_replacement(self.env.rank, incarnation)
                 say(f"pipedream-ft: rank {self.env.rank}: training process died ({_describe(code)}); starting "
                     f"replacement {incarnation}")
         finally:
