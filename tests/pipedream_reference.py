@@ -77,14 +77,16 @@ def two_bw_reference(
     seed: int = 0,
     compensation: Any = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Final weights and per-minibatch losses of PipeDream-2BW with update interval ``every`` (no tied weights)."""
+    """Final weights and per-minibatch losses of PipeDream-2BW with update interval ``every``. A tied parameter is
+    read at its window's version like every weight, and its update ``k`` applies the sum of its holders' window
+    gradients, added in stage order."""
     S = plan.num_stages
     stages = [build_stage(model_layers(model), plan, s) for s in range(S)]
     own, tied = _split_tied(stages)
-    assert not tied, "the 2BW reference has no tied parameters"
     opts = [optimizer_factory(p) if p else None for p in own]
+    tied_opts = [optimizer_factory([p]) for p, _ in tied]
     losses = _train_segment(stages, opts, 0, steps, lambda b, s: max(0, b // every - 1), data, loss_fn, seed,
-                            every=every, delays=[1] * S, compensation=compensation)
+                            tied_opts, every=every, delays=[1] * S, compensation=compensation)
     state: dict[str, torch.Tensor] = {}
     for st in stages:
         state.update({k: v.detach().clone() for k, v in st.state_dict().items()})
@@ -132,7 +134,6 @@ def _train_segment(
     update on the window's mean gradient (``every=1``: update b on b's gradient), with ``compensation`` over the
     stage's delay ``delays[s]``. Returns the losses."""
     S = len(stages)
-    assert every == 1 or not _split_tied(stages)[1]
     delays = delays or [0] * S
     predict = compensation is not None and compensation.predict
     own, tied = _split_tied(stages)
@@ -142,7 +143,8 @@ def _train_segment(
     first = start // every
     versions: list[dict[int, list[torch.Tensor]]] = [{first: [p.detach().clone() for p in lv]} for lv in own]
     acc: list[list[torch.Tensor | None]] = [[None] * len(lv) for lv in own]
-    tversions: list[dict[int, torch.Tensor]] = [{start: p.detach().clone()} for p, _ in tied]
+    tversions: list[dict[int, torch.Tensor]] = [{first: p.detach().clone()} for p, _ in tied]
+    tacc: list[dict[int, torch.Tensor]] = [{} for _ in tied]
     losses = []
     for b in range(start, stop):
         x: Any = data(b)[0]
@@ -175,6 +177,11 @@ def _train_segment(
                 prev = acc[s][i]
                 if g is not None:
                     acc[s][i] = g.detach().clone() if prev is None else prev.add_(g)
+        for t, (p, h) in enumerate(tied):
+            for s in h:
+                g = grads[id(tied_used[t][s])]
+                if g is not None:
+                    tacc[t][s] = g.detach().clone() if s not in tacc[t] else tacc[t][s].add_(g)
         if (b + 1) % every:
             continue
         u = b // every  # the update applied now; versions[s][u + 1] is what it publishes
@@ -198,14 +205,14 @@ def _train_segment(
         for t, (p, h) in enumerate(tied):
             total = None
             for s in h:  # stage order, as the runtime adds them
-                g = grads[id(tied_used[t][s])]
-                g = torch.zeros_like(p) if g is None else g.detach()
+                g = tacc[t].pop(s, None)
+                g = torch.zeros_like(p) if g is None else g
                 total = g.clone() if total is None else total.add_(g)
             p.grad = total
             assert tied_opts is not None
             tied_opts[t].step()
             tied_opts[t].zero_grad(set_to_none=True)
-            tversions[t][b + 1] = p.detach().clone()
+            tversions[t][u + 1] = p.detach().clone()
     return losses
 
 

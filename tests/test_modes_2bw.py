@@ -102,3 +102,19 @@ def test_2bw_resumes_from_a_window_cut_bitwise(tmp_path):
     for rank in range(4):
         for k, v in straight[rank][1]["state"].items():
             assert torch.equal(resumed[rank][1]["state"][k], v), k
+
+
+@pytest.mark.slow
+def test_2bw_gpt_with_tied_embeddings_matches_its_reference():
+    from partitioner.plan import Plan
+    from runtime_cases import gpt_case, gpt_plan, lm_data, lm_loss, tiny_gpt
+
+    plan_json = gpt_plan(4)
+    out = run_world(gpt_case, 4, plan_json, 12, "2bw", "sgd", timeout=300)
+    want, losses = two_bw_reference(tiny_gpt(), Plan.from_json(plan_json), lm_data, lm_loss, OPTIMIZERS["sgd"], 12, 4)
+    for rank in range(4):
+        got = out[rank][1]
+        for k in want:
+            torch.testing.assert_close(got["state"][k], want[k], rtol=0, atol=1e-6, msg=k)
+        assert got["losses"] == pytest.approx(losses, abs=1e-6)
+        assert torch.equal(got["state"]["wte.weight"], got["state"]["lm_head.weight"])  # the copies agree

@@ -68,6 +68,16 @@ class Mode(ABC):
         """Factor applied to each minibatch's loss before its backward."""
         return 1.0
 
+    def tied_version(self, topo: Topology, first: int, minibatch: int) -> int | None:
+        """The version of a tied parameter (whose first holder is stage ``first``) that ``minibatch``'s forward
+        reads here: the rule of the first holder's own weights (``None``: the current one)."""
+        round_ = minibatch // topo.replicas[first]
+        return max(0, round_ - (in_flight(first, topo.replicas) - 1))
+
+    def tied_kept(self, topo: Topology, first: int) -> int:
+        """Versions of such a tied parameter older than the current one that a forward may still ask for."""
+        return in_flight(first, topo.replicas) - 1
+
     @abstractmethod
     def delay(self, topo: Topology) -> int:
         """Updates between the weights this rank's gradients are computed on and the weights they are applied to:
@@ -116,6 +126,12 @@ class Vertical(Stash):
     def delay(self, topo: Topology) -> int:
         return in_flight(0, topo.replicas) - 1
 
+    def tied_version(self, topo: Topology, first: int, minibatch: int) -> int | None:
+        return super().tied_version(topo, 0, minibatch)
+
+    def tied_kept(self, topo: Topology, first: int) -> int:
+        return super().tied_kept(topo, 0)
+
 
 class Flush(Mode):
     """1F1B inside windows of ``flush_every`` minibatches; one optimizer step per window."""
@@ -153,6 +169,12 @@ class Flush(Mode):
         return 1.0 / self.flush_every
 
     def delay(self, topo: Topology) -> int:
+        return 0
+
+    def tied_version(self, topo: Topology, first: int, minibatch: int) -> int | None:
+        return None
+
+    def tied_kept(self, topo: Topology, first: int) -> int:
         return 0
 
     def __repr__(self) -> str:
@@ -231,6 +253,12 @@ class TwoBW(Mode):
         return 1.0 / m
 
     def delay(self, topo: Topology) -> int:
+        return 1
+
+    def tied_version(self, topo: Topology, first: int, minibatch: int) -> int | None:
+        return max(0, minibatch // self.interval(topo) - 1)
+
+    def tied_kept(self, topo: Topology, first: int) -> int:
         return 1
 
     def __repr__(self) -> str:

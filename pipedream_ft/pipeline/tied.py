@@ -16,6 +16,10 @@ tied parameter as the first holder's stage would read its own weights:
   activations of that minibatch), so nobody waits in steady state.
 * ``vertical``: the version stage 0 used for the minibatch, like every other weight.
 * ``flush``: all holders apply the window's tied update at the window's update (synchronous SGD; exact).
+* ``2bw``: the version every weight of the minibatch's window reads (one tied update behind); the first holder
+  applies tied update ``k`` at its update ``k``, the others when a forward needs it, as in ``stash``.
+
+The mode states the rule (:meth:`~pipedream_ft.pipeline.modes.Mode.tied_version`).
 
 At a checkpoint cut every holder first applies every tied update before the cut, so all parts hold the same
 tied state. Holder stages must have equal replica counts; replica ``r`` of each holder exchanges with replica
@@ -33,8 +37,7 @@ from torch import nn
 from partitioner.plan import PlanError
 
 from ..errors import PipelineSetupError
-from .modes import Flush, Mode, Vertical
-from .schedule import in_flight
+from .modes import Flush, Mode
 from .topology import Topology
 from .versions import Version, VersionStore
 
@@ -126,8 +129,7 @@ class _Group:
         self.optimizer = optimizer_factory([param])
         self.scheduler: Any = None
         """Its LR scheduler (built by the trainer's ``scheduler_factory``), stepped after each tied update."""
-        rule_stage = 0 if isinstance(mode, Vertical) else self.first
-        self.keep = 0 if isinstance(mode, Flush) else in_flight(rule_stage, topo.replicas) - 1
+        self.keep = mode.tied_kept(topo, self.first)
         self.versions = VersionStore([param], keep=self.keep)
         self.grads: dict[int, dict[int, torch.Tensor]] = {}
         """Gradients of pending tied updates: update -> holder stage -> gradient."""
@@ -191,12 +193,7 @@ class TiedParameters:
 
     def _version_number(self, g: _Group, minibatch: int) -> int | None:
         """Tied updates minibatch ``minibatch`` reads (None: the current version)."""
-        topo, mode = self.topo, self.mode
-        if isinstance(mode, Flush):
-            return None
-        stage = 0 if isinstance(mode, Vertical) else g.first
-        round_ = minibatch // topo.replicas[stage]
-        return max(0, round_ - (in_flight(stage, topo.replicas) - 1))
+        return self.mode.tied_version(self.topo, g.first, minibatch)
 
     def tensors_for(self, minibatch: int) -> tuple[dict[str, torch.Tensor], list[Version]]:
         """The tied tensors the forward of ``minibatch`` reads (by name) and their versions; applies the tied
