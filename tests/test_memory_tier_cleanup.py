@@ -37,7 +37,7 @@ class TierWatch:
         for name in os.listdir(DEFAULT_SHM_ROOT):
             if name.startswith("pdft-") and len(name) > 18:
                 path = os.path.join(DEFAULT_SHM_ROOT, name)
-                if tier_directory(name[len("pdft-"):-13], self.key) == path:
+                if tier_directory(name[len("pdft-") + 13:], self.key) == path:  # pdft-<12 hex of the key>-<job>
                     out.add(path)
         return out
 

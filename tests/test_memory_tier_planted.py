@@ -53,7 +53,7 @@ def planted():
     shutil.rmtree(reference["directory"])
     for p in [staging, *staging.rglob("*")]:
         p.chmod(0o755 if p.is_dir() else 0o644)
-    job = os.path.basename(other["directory"])[len("pdft-"):-13]  # pdft-<job>-<12 hex of the key>
+    job = os.path.basename(other["directory"])[len("pdft-") + 13:]  # pdft-<12 hex of the key>-<job>
     yield {"run_id": run_id, "job": job, "parts": staging / "tier", "reference": reference["state"],
            "path": tier_directory(job, key_from_secret(SECRET))}
     shutil.rmtree(staging, ignore_errors=True)

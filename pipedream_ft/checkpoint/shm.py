@@ -1,6 +1,6 @@
 """The in-memory tier: parts kept as files in shared memory (``/dev/shm``) on this node, private to the job.
 
-Layout under ``<root>/pdft-<job>-<tag>/`` (root ``/dev/shm`` by default; ``tag`` is derived from the job's key,
+Layout under ``<root>/pdft-<tag>-<job>/`` (root ``/dev/shm`` by default; ``tag`` is derived from the job's key,
 so the path cannot be guessed without it)::
 
     .lock                     # every process using the tier holds a shared flock on it while it lives
@@ -84,7 +84,7 @@ class UntrustedTierError(CheckpointError):
 
 def tier_directory(job: str, key: bytes, root: str = DEFAULT_SHM_ROOT) -> str:
     """Where the tier of ``job`` under ``key`` lives."""
-    return os.path.join(root, f"{TIER_PREFIX}{job}-{mac(key, 'memory-tier directory', job)[:12]}")
+    return os.path.join(root, f"{TIER_PREFIX}{mac(key, 'memory-tier directory', job)[:12]}-{job}")
 
 
 class MemoryTier(Tier):

@@ -135,6 +135,14 @@ class Coordinator:
         """The job's key, the same in every process of the job (see :mod:`pipedream_ft.ft.secret`)."""
         if self._secret is None:
             self._secret = job_secret(job_id=self.job_id(), store=self.job,
+                                      single_node=self.env.ranks_per_node >= self.env.world_size,
+                                      store_outlives_attempts=self.env.use_agent_store)
+        return self._secret
+
+    def secret(self) -> bytes:
+        """The job's key, the same in every process of the job (see :mod:`pipedream_ft.ft.secret`)."""
+        if self._secret is None:
+            self._secret = job_secret(job_id=self.job_id(), store=self.job,
                                       single_node=self.env.ranks_per_node >= self.env.world_size)
         return self._secret
 
