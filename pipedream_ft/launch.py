@@ -47,6 +47,17 @@ def _die_on_sigterm() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
+def _stop_requested() -> bool:
+    """Whether a trainer of this process received SIGTERM (its emergency-checkpoint handler held it)."""
+    from .trainer import _OPEN
+
+    for trainer in list(_OPEN):
+        handler = getattr(getattr(trainer, "ckpt", None), "preemption", None)
+        if handler is not None and handler.requested:
+            return True
+    return False
+
+
 def launch(main: Callable[..., Any], *args: Any, recovery: str | None = None, max_replacements: int = 16,
            **kwargs: Any) -> NoReturn:
     """Run ``main(*args, **kwargs)`` as this rank's training and exit (see the module docstring).
@@ -89,6 +100,10 @@ def launch(main: Callable[..., Any], *args: Any, recovery: str | None = None, ma
         finally:
             if code != 0:
                 _die_on_sigterm()
+                if _stop_requested():  # the SIGTERM came while this process was failing: it was held, go now
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os.kill(os.getpid(), signal.SIGTERM)
             release_all()
         if code in (0, EXIT_SETUP):  # the job is over for good: its memory-tier parts would only fill RAM
             from .checkpoint.shm import leave_all
