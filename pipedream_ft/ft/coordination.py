@@ -139,13 +139,6 @@ class Coordinator:
                                       store_outlives_attempts=self.env.use_agent_store)
         return self._secret
 
-    def secret(self) -> bytes:
-        """The job's key, the same in every process of the job (see :mod:`pipedream_ft.ft.secret`)."""
-        if self._secret is None:
-            self._secret = job_secret(job_id=self.job_id(), store=self.job,
-                                      single_node=self.env.ranks_per_node >= self.env.world_size)
-        return self._secret
-
     def job_id(self) -> str | None:
         """An id of this job, the same for every process of every attempt: it scopes what the job keeps on its
         nodes (the memory tier). Under torchrun's agent store, a random id kept in that store (it lives as long
