@@ -21,7 +21,7 @@ Tiers (:mod:`.tiers`): a :class:`TierWriter` saves often into fast tiers — thi
 (:class:`MemoryTier`) and a buddy rank's memory over TCP (:class:`PeerTier` to its :class:`PeerServer`) — while
 the :class:`CheckpointWriter` saves less often to the durable storage (:class:`DurableTier` for reading it)::
 
-    shm = MemoryTier(job_id, key=job_key)                       # /dev/shm/pdft-<job_id>-<tag>, private
+    shm = MemoryTier(job_id, key=job_key)                       # /dev/shm/pdft-<tag>-<job_id>, private
     server = PeerServer(shm, host=node_address, token=peer_token(job_key)).start()  # publish its address
     fast = TierWriter([shm, PeerTier(buddy_address, token=peer_token(job_key))], part_name, keep=2)
     fast.save(step, state)                                      # each tier's policy decides when
