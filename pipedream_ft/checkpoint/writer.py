@@ -462,13 +462,17 @@ class CheckpointWriter:
         with self._cond:
             doomed = [self._pending.pop(s) for s in sorted(self._pending)]
         for p in doomed:
-            try:  # a resumed run must not find a half-written step
-                if not self.storage.exists(commit_path(p.step)):
-                    self.storage.delete(step_dir(p.step), recursive=True)
-            except Exception as exc:
-                logger.debug("checkpoint step %d: cannot remove its directory: %s", p.step, exc)
+            self._remove_uncommitted(p.step)
             self._finish(p.handle, CheckpointError(f"step {p.step} not committed: {reason}"))
         return [p.step for p in doomed]
+
+    def _remove_uncommitted(self, step: int) -> None:
+        """Remove the directory of a step given up (a resumed run must not find it half-written)."""
+        try:
+            if not self.storage.exists(commit_path(step)):
+                self.storage.delete(step_dir(step), recursive=True)
+        except Exception as exc:
+            logger.debug("checkpoint step %d: cannot remove its directory: %s", step, exc)
 
     def flush_parts(self, timeout: float | None = None) -> bool:
         """Wait until no save is queued or being written (commits may still wait for other ranks' parts)."""
@@ -733,6 +737,7 @@ class CheckpointWriter:
                 )
                 with self._cond:
                     self._pending.pop(step, None)
+                self._remove_uncommitted(step)
                 self._finish(p.handle, CheckpointError(f"step {step} not committed: parts missing: {missing}"))
         self._poll_delay = min(self._poll_delay * 2, self.max_poll_interval_s)
 

@@ -682,7 +682,7 @@ class Checkpointer:
             if store is not None:
                 store.set(_KEY_FINISH_PART.format(position=position, rank=self.topo.rank), self._last_error())
             return
-        if writer.backlog:
+        if not writer.flush(timeout=min(2.0, timeout)):  # the usual case: the last commit follows at once
             msg = (f"waiting up to {timeout:.0f}s for checkpoint {self.last_saved} to commit (every rank's part "
                    "durable, then the commit record)")
             log.info(msg)
