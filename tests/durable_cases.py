@@ -3,6 +3,7 @@ that checkpoints to a URL, with the storage conditions under test."""
 
 from __future__ import annotations
 
+import os
 import resource
 from typing import Any
 
@@ -23,8 +24,7 @@ def durable_case(url: str, total: int, every: int, out: str | None = None, fsize
     from pipedream_ft import CheckpointConfig, PipelineConfig, PipelineTrainer
     from pipedream_ft.policies import EveryNSteps
 
-    trainer_rank = int(__import__("os").environ["RANK"])
-    if fsize_rank == trainer_rank:
+    if fsize_rank == int(os.environ["RANK"]):
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.RLIM_INFINITY))
     model = MODELS["mlp"]()
     trainer = PipelineTrainer(model, plan_for(model, STAGES), loss_fn=nn.functional.cross_entropy,

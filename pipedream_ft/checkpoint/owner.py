@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable
+from typing import Callable
 
 from .format import CheckpointError
 from .storage import Storage
@@ -270,11 +270,3 @@ class Owner:
         except Exception as exc:  # the lease runs out by itself
             log.warning("cannot release checkpoint location %s: %s", self.storage.url, exc)
 
-
-def describe_record(record: OwnerRecord | None, now: float | None = None) -> dict[str, Any]:
-    """The record as a dict (for tests and tools)."""
-    if record is None:
-        return {}
-    out = asdict(record)
-    out["expired"] = record.expired(time.time() if now is None else now)
-    return out
