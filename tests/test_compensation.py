@@ -107,3 +107,21 @@ def test_2bw_with_prediction_and_a_delay_aware_lr():
     _check(out, want, losses, 4)
     plain, _ = two_bw_reference(MODELS["mlp"](), plan, data, loss_fn, OPTIMIZERS["sgd"], 16, 4)
     assert _differs(want, plain)
+
+
+@pytest.mark.slow
+def test_stash_with_prediction_resumes_from_a_cut_exactly(tmp_path):
+    """The checkpoint holds the real weights and the predicted versions, the current one included."""
+    comp = {"predict": True}
+    spec = {"stages": MLP4, "mode": "stash", "opt": "sgd", "total": 16, "every": 8, "url": str(tmp_path / "a"),
+            "compensation": comp}
+    run_world(async_case, 4, {**spec, "stop_at": 8})
+    resumed = run_world(async_case, 4, spec)
+    assert resumed[0][1]["resumed"] == 8
+    model = MODELS["mlp"]()
+    want, losses = weight_stashing_reference(model, plan_for(model, MLP4), data, loss_fn, OPTIMIZERS["sgd"], 16,
+                                             compensation=Compensation(**comp))
+    for rank in range(4):
+        for k in want:
+            torch.testing.assert_close(resumed[rank][1]["state"][k], want[k], rtol=0, atol=1e-6, msg=k)
+    assert resumed[0][1]["losses"] == pytest.approx(losses[8:], abs=1e-6)

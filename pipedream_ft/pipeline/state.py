@@ -84,8 +84,9 @@ class StageState:
         weights themselves, which right after an update are the newest version), so that a snapshot may refer to
         them instead of copying (see :func:`pipedream_ft.checkpoint.snapshot.immutable`).
         """
-        versions = {u: frozen(list(v.tensors)) for u, v in self.versions.history.items()}
-        current = {id(p): t for p, t in zip(self.params, self.versions.current.tensors)}
+        versions = {u: frozen(list(v.tensors)) for u, v in self.versions.saved().items()}
+        current = {} if self.versions.predicted else \
+            {id(p): t for p, t in zip(self.params, self.versions.current.tensors)}
         if self.tied:
             current.update({id(g.param): g.versions.current.tensors[0] for g in self.tied.groups})
         live = {n: p for n, p in self.module.named_parameters(remove_duplicate=False)}

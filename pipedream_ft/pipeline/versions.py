@@ -56,6 +56,8 @@ class VersionStore:
         self.history: dict[int, Version] = {}
         self.offset: list[torch.Tensor] | None = None
         """Added to the live weights by the next :meth:`publish` only (weight prediction), then cleared."""
+        self.predicted = False
+        """Whether the current version differs from the live weights (it was published with an offset)."""
         self.current = self._snapshot(updates)
 
     def _snapshot(self, updates: int, offset: list[torch.Tensor] | None = None) -> Version:
@@ -72,6 +74,7 @@ class VersionStore:
         old = self.current
         offset, self.offset = self.offset, None
         self.current = self._snapshot(old.updates + 1, offset)
+        self.predicted = offset is not None
         if self.keep:
             self.history[old.updates] = old
             for k in [k for k in self.history if k < self.current.updates - self.keep]:
@@ -90,6 +93,18 @@ class VersionStore:
                 f"weight version {updates} is not kept (current {self.current.updates}, kept {sorted(self.history)})"
             ) from None
 
+    def saved(self) -> dict[int, Version]:
+        """The versions a checkpoint keeps: the older ones, and the current one when it is not the live weights."""
+        out = dict(self.history)
+        if self.predicted:
+            out[self.current.updates] = self.current
+        return out
+
     def add(self, version: Version) -> None:
-        """Keep an older version (restored from a checkpoint)."""
+        """Keep an older version (restored from a checkpoint); one numbered as the current version replaces it
+        (a predicted current version)."""
+        if version.updates == self.current.updates:
+            self.current = version
+            self.predicted = True
+            return
         self.history[version.updates] = version
