@@ -18,8 +18,9 @@ update rounds on replicated stages). Two remedies, which combine:
   LR scheduler.
 
 A stage with delay 0 (the last stage in ``"stash"``) is left alone. Tied parameters (shared by several stages)
-have their own optimizer and keep the plain rule. After a resume from a checkpoint, the current version is the
-restored weights, not extrapolated (the older versions in the checkpoint are the predicted ones).
+have their own optimizer and keep the plain rule. A checkpoint keeps the live weights and the predicted
+versions, the current one included, so a resumed run continues exactly; a re-planned one starts from the live
+weights, not extrapolated (like its versions, which start over).
 """
 
 from __future__ import annotations
