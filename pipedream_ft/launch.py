@@ -114,11 +114,14 @@ def launch(main: Callable[..., Any], *args: Any, recovery: str | None = None, ma
     if mode == "in-place":
         from .ft.supervisor import Supervisor
 
-        code = Supervisor(env, max_replacements=max_replacements).run(train)
+        supervisor = Supervisor(env, max_replacements=max_replacements)
+        code = supervisor.run(train)
     else:
         os.environ["PIPEDREAM_FT_RECOVERY"] = "restart"
         code = train()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    if mode == "in-place" and supervisor.terminating is not None:
+        os._exit(code)  # torchrun is ending the group: its training process is gone, nothing is left to wait for
     sys.exit(code)
