@@ -10,7 +10,6 @@ step (or skip), step the LR scheduler.
   summed over the world by an all-reduce, and every stage scales by ``c / (norm + 1e-6)`` if that is below 1.
 * **float16 loss scaling** (flush mode only; see :mod:`pipedream_ft.pipeline.precision`): gradients are
   unscaled first; the found-inf flags ride in the same all-reduce, and all stages skip the update together.
-
 * **Delay compensation** (``PipelineConfig(compensation=...)``, the asynchronous modes; see
   :mod:`pipedream_ft.pipeline.compensation`): the learning rate of the step is scaled by the stage's delay, and
   the version published after it is extrapolated along the step.
