@@ -46,7 +46,7 @@ from .errors import InvalidArgument, JobError, PipelineSetupError, mark_training
 from .checkpoint import CheckpointError
 from .ft.checkpointer import CheckpointConfig, Checkpointer, plan_hash
 from .ft.coordination import LiveGroup
-from .ft.recovery import Formed, Heartbeat, Membership, heartbeat_connection
+from .ft.recovery import Formed, Heartbeat, Membership, store_connection
 from .ft.replan import Measurement, RePlanPolicy, consider, load_replanned, store_replanned
 from .ft.coordination import Coordinator
 from .ft.elastic import describe_plan, load_stored_profile, replan
@@ -366,7 +366,7 @@ class PipelineTrainer:
         gc.freeze()
         # the heartbeat thread has a store connection of its own: a wait of the training thread's (a process group
         # being connected) must not hold up its beats or its watch over the peers'
-        beats = LiveGroup(heartbeat_connection(self.env, self.config.recovery_timeout_s), self.env.run_id, round_id,
+        beats = LiveGroup(store_connection(self.env, self.config.recovery_timeout_s), self.env.run_id, round_id,
                           key=self.coordinator.secret())
         self._heartbeat = Heartbeat(beats, self.env.rank, self.env.incarnation, world_size=self.env.world_size)
         return live
@@ -474,7 +474,10 @@ class PipelineTrainer:
             if not self.membership.confirm(formed, part is not None):
                 continue
             assert part is not None and self.membership.live is not None
-            epoch = self.coordinator.live_epoch(self.membership.live.round_id, formed.epoch)
+            # the groups connect through a store connection of their own: a connection given up (a peer failed
+            # meanwhile) may wait out timeout_s in the store, and must not hold up this process's other requests
+            epoch = self.coordinator.live_epoch(self.membership.live.round_id, formed.epoch,
+                                                store_connection(self.env, self.config.timeout_s))
             assert self._heartbeat is not None
             beats = self._heartbeat.live  # not the connection the groups are being connected through
             self.faults.at_join(self.env.restart_count + formed.epoch, "connect")

@@ -203,9 +203,15 @@ def _processes(out: Path) -> dict[int, list[int]]:
 def test_a_replacement_that_dies_while_the_group_connects_is_the_only_process_replaced(reference, tmp_path):
     """Rank 2 is killed; its replacement dies too, as the others wait for it to connect the new epoch's groups.
     The others must not wait out their timeout in the connection (and then crash), nor look silent meanwhile
-    (their heartbeats must not queue behind that wait): only rank 2 is replaced, twice; nobody is evicted."""
-    info = summary(*torchrun(tmp_path, "kill@rank=2,step=21;connect@rank=2,step=0,attempt=1"))
+    (their heartbeats must not queue behind that wait): only rank 2 is replaced, twice; nobody is evicted. With a
+    60 s timeout, the recovery cannot have waited for the dead replacement's connection."""
+    proc, out, lines = torchrun_watched(tmp_path, "kill@rank=2,step=21;connect@rank=2,step=0,attempt=1",
+                                        "--timeout", "60")
+    info = summary(proc, out)
     log = info["log"]
+    killed = next(t for t, line in lines if "injecting fault kill" in line)
+    recovered = [t for t, line in lines if line.startswith("pipedream-ft: recovered in place")][-1]
+    assert recovered - killed < 30, (recovered - killed, log[-4000:])  # the connection's timeout alone is 60 s
     assert "injecting fault connect" in log, log[-4000:]
     died = re.findall(r"rank (\d+): training process died", log)
     assert died == ["2", "2"], log[-6000:]

@@ -192,10 +192,12 @@ class Coordinator:
         self.job.set(KEY_ROUND.format(rank=self.env.rank, owner=round_owner(self.env)), round_id)
         return LiveGroup(self.base, self.env.run_id, round_id, key=self.secret())
 
-    def live_epoch(self, round_id: str, epoch: int) -> Epoch:
-        """The namespace of epoch ``epoch`` of the group started in ``round_id`` (its process groups live there)."""
+    def live_epoch(self, round_id: str, epoch: int, connection: dist.Store | None = None) -> Epoch:
+        """The namespace of epoch ``epoch`` of the group started in ``round_id`` (its process groups live there),
+        through ``connection`` (a store connection of its own, default: this process's)."""
         self.epoch = Epoch(f"{round_id}-e{epoch}",
-                           dist.PrefixStore(f"pipedream_ft/{self.env.run_id}/{round_id}/live/e{epoch}/", self.base))
+                           dist.PrefixStore(f"pipedream_ft/{self.env.run_id}/{round_id}/live/e{epoch}/",
+                                            connection or self.base))
         return self.epoch
 
     # -- progress (job namespace) ----------------------------------------------------------------------------

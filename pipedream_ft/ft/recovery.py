@@ -40,7 +40,7 @@ from ..env import DistEnv
 from ..errors import PipelineError
 from .coordination import FAILED, FORMED, KEY_HEARTBEAT, LiveGroup
 
-__all__ = ["Formed", "Heartbeat", "Membership", "RecoveryFailed", "heartbeat_connection"]
+__all__ = ["Formed", "Heartbeat", "Membership", "RecoveryFailed", "store_connection"]
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +141,9 @@ class Heartbeat:
         self._thread.join(timeout=2)
 
 
-def heartbeat_connection(env: DistEnv, timeout_s: float) -> dist.Store:
-    """A connection to the job's store for the heartbeat thread alone (see :class:`Heartbeat`)."""
+def store_connection(env: DistEnv, timeout_s: float) -> dist.Store:
+    """A new connection to the job's store, for a thread or a wait that must not hold up this process's other
+    requests (a store connection serves one request at a time: see :class:`Heartbeat`)."""
     return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
