@@ -236,3 +236,18 @@ def test_a_file_size_limit_is_refused_for_good_without_retries(tmp_path) -> None
 def test_per_process_file_systems_are_told() -> None:
     assert Storage(f"memory://pdft-{uuid.uuid4().hex}").per_process()
     assert not Storage("/tmp/somewhere").per_process()
+
+
+def test_local_files_and_directories_are_never_world_writable(tmp_path) -> None:
+    """The umask is honoured, but a permissive one (000) must not make checkpoint data writable by others."""
+    old = os.umask(0)
+    try:
+        s = Storage(str(tmp_path / "ckpt"))
+        s.write_bytes("step-00000008/part.bin", b"x" * 10)
+        s.write_bytes("a/b/c.bin", b"y")
+    finally:
+        os.umask(old)
+    for root, dirs, files in os.walk(tmp_path / "ckpt"):
+        for name in dirs + files:
+            mode = os.stat(os.path.join(root, name)).st_mode
+            assert not mode & 0o002, f"{os.path.join(root, name)} is world-writable ({oct(mode & 0o777)})"

@@ -90,6 +90,22 @@ _BUCKET_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "oss"}
 _S3_DEFAULT_CONFIG = {"connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 2}}
 
 
+
+def _make_dirs(directory: str) -> None:
+    """``os.makedirs`` with every created level 0755 before the umask (``makedirs`` gives only the leaf its
+    mode): checkpoint directories honour the umask but are never writable by others, even under umask 000."""
+    if os.path.isdir(directory):
+        return
+    parent = os.path.dirname(directory)
+    if parent and parent != directory:
+        _make_dirs(parent)
+    try:
+        os.mkdir(directory, 0o755)
+    except FileExistsError:
+        if not os.path.isdir(directory):
+            raise
+
+
 class StorageError(CheckpointError):
     """A storage operation failed permanently, or kept failing after all retries."""
 
@@ -416,7 +432,7 @@ class Storage:
         path = self._local(rel)
         directory = os.path.dirname(path)
         created = not os.path.isdir(directory)
-        os.makedirs(directory, exist_ok=True)
+        _make_dirs(directory)
         tmp = os.path.join(directory, f".{os.path.basename(path)}{_TMP_MARKER}{uuid.uuid4().hex[:12]}")
         try:
             direct = self._write_file_direct(tmp, data, durable)
@@ -501,7 +517,7 @@ class Storage:
         def create_local() -> bool:
             path = self._local(rel)
             directory = os.path.dirname(path)
-            os.makedirs(directory, exist_ok=True)
+            _make_dirs(directory)
             tmp = os.path.join(directory, f".{os.path.basename(path)}{_TMP_MARKER}{uuid.uuid4().hex[:12]}")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
