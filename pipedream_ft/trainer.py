@@ -118,6 +118,9 @@ class PipelineConfig:
     recovery_timeout_s: float = 120.0
     """In-place recovery: the longest the ranks wait for the group to form again before giving up (then the
     processes stop and torchrun restarts them all)."""
+    hang_s: float = 0.8
+    """In-place recovery: a peer whose heartbeat (every 0.1 s, from a thread) has not changed for this long is
+    taken as hung and replaced, whatever ``timeout_s`` is. Raise it for code that holds the GIL longer."""
     clip_grad_norm: float | None = None
     """Clip gradients to this 2-norm: per stage in the asynchronous modes, by the whole model's norm in
     ``"flush"`` mode (see :mod:`pipedream_ft.pipeline.stepper`)."""
@@ -137,6 +140,8 @@ class PipelineConfig:
         check_compensation(self.compensation, self.mode)
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not self.hang_s > 0.2:
+            raise ValueError(f"hang_s must exceed two heartbeat intervals (0.2 s), got {self.hang_s}")
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {self.backend!r}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
@@ -368,7 +373,8 @@ class PipelineTrainer:
         # being connected) must not hold up its beats or its watch over the peers'
         beats = LiveGroup(store_connection(self.env, self.config.recovery_timeout_s), self.env.run_id, round_id,
                           key=self.coordinator.secret())
-        self._heartbeat = Heartbeat(beats, self.env.rank, self.env.incarnation, world_size=self.env.world_size)
+        self._heartbeat = Heartbeat(beats, self.env.rank, self.env.incarnation, world_size=self.env.world_size,
+                                    hang_s=self.config.hang_s)
         return live
 
     def _start_replanning(self, policy: RePlanPolicy) -> None:

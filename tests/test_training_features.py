@@ -218,3 +218,9 @@ def test_config_refuses_float16_in_the_asynchronous_modes_only():
         PipelineConfig(autocast_dtype=torch.float64)
     with pytest.raises(ValueError, match="clip_grad_norm"):
         PipelineConfig(clip_grad_norm=0.0)
+
+
+def test_config_hang_s_must_exceed_two_heartbeat_intervals():
+    assert PipelineConfig(hang_s=3.0).hang_s == 3.0
+    with pytest.raises(ValueError, match=r"hang_s must exceed two heartbeat intervals \(0.2 s\), got 0.2"):
+        PipelineConfig(hang_s=0.2)
