@@ -191,12 +191,15 @@ def _train_segment(
             before = [p.detach().clone() for p in own[s]]
             if opts[s] is not None:
                 factor = _lr_factor(compensation, delays[s], u)
-                base = [g["lr"] for g in opts[s].param_groups]
-                for g in opts[s].param_groups:
-                    g["lr"] = g["lr"] * factor
-                opts[s].step()
-                for g, lr in zip(opts[s].param_groups, base):
-                    g["lr"] = lr
+                if factor == 1.0:  # no delay-aware LR: any object with step() serves (a clipping wrapper, say)
+                    opts[s].step()
+                else:
+                    base = [g["lr"] for g in opts[s].param_groups]
+                    for g in opts[s].param_groups:
+                        g["lr"] = g["lr"] * factor
+                    opts[s].step()
+                    for g, lr in zip(opts[s].param_groups, base):
+                        g["lr"] = lr
                 opts[s].zero_grad(set_to_none=True)
             if predict and delays[s]:
                 versions[s][u + 1] = [p.detach() + (p.detach() - w) * delays[s] for p, w in zip(own[s], before)]
