@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import shlex
 import string
 import sys
@@ -159,6 +160,10 @@ def resolve_values(values: Mapping[str, Any] | None = None) -> dict[str, Any]:
     if v["create_secret"]:
         for key in ("aws_access_key_id", "aws_secret_access_key"):
             _check(bool(v[key]), f"{key} must be set when create_secret is true")
+    _check(not v["job_secret"] or len(v["job_secret"]) >= 16,
+           f"job_secret must be empty or at least 16 characters, got {len(v['job_secret'])}")
+    if v["create_secret"] and not v["job_secret"]:
+        v["job_secret"] = secrets.token_hex(32)
 
     # health probe (its path goes into a shell command, so keep it plain)
     _check(bool(_SAFE_PATH.match(v["health_file"])),
@@ -236,7 +241,7 @@ def render(values: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
             "job_name", "namespace", "image", "image_pull_policy", "replicas", "min_nodes", "max_nodes",
             "cpu", "memory", "shm_size", "checkpoint_url", "secret_name", "max_restarts", "backoff_limit",
             "rdzv_port", "health_file", "liveness_initial_delay_s", "termination_grace_s",
-            "aws_access_key_id", "aws_secret_access_key")
+            "aws_access_key_id", "aws_secret_access_key", "job_secret")
     }
     mapping.update(
         service=name,
@@ -350,6 +355,8 @@ def main(argv: Sequence[str] | None = None, *, environ: Mapping[str, str] | None
             for key in ("aws_access_key_id", "aws_secret_access_key"):
                 if not values.get(key) and env.get(key.upper()):
                     values[key] = env[key.upper()]
+            if not values.get("job_secret") and env.get("PIPEDREAM_FT_SECRET"):
+                values["job_secret"] = env["PIPEDREAM_FT_SECRET"]
         text = dump(render(values))
         if args.output == "-":
             sys.stdout.write(text)

@@ -197,14 +197,17 @@ def test_credentials_come_from_the_secret_only(plan_file: Path) -> None:
     docs = render(value_sets(plan_file)["minio"])
     secret, job = one(docs, "Secret"), one(docs, "Job")
     assert secret["metadata"]["name"] == "minio-creds"
+    job_key = secret["stringData"].pop("PIPEDREAM_FT_SECRET")
+    assert re.fullmatch(r"[0-9a-f]{64}", job_key), "create_secret without job_secret makes a random key"
     assert secret["stringData"] == {"AWS_ACCESS_KEY_ID": SECRET_ID, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
+    secret["stringData"]["PIPEDREAM_FT_SECRET"] = job_key
     env = env_of(container_of(job["spec"]["template"]))
-    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "PIPEDREAM_FT_SECRET"):
         assert "value" not in env[key]
         assert env[key]["valueFrom"] == {"secretKeyRef": {"name": "minio-creds", "key": key}}
         assert key in secret["stringData"]
     text = json.dumps([d for d in docs if d["kind"] != "Secret"])
-    assert SECRET_ID not in text and SECRET_KEY not in text
+    assert SECRET_ID not in text and SECRET_KEY not in text and job_key not in text
     assert env["AWS_ENDPOINT_URL"] == {"name": "AWS_ENDPOINT_URL", "value": "http://minio.minio.svc:9000"}
     assert env["CHECKPOINT_URL"]["value"] == "s3://ckpts/runs/a"
 
@@ -418,7 +421,25 @@ def test_cli_keeps_string_values_verbatim(capsys: pytest.CaptureFixture[str]) ->
     argv = ["--set", "create_secret=true", "--set", "aws_access_key_id=yes", "--set", "aws_secret_access_key=0123"]
     assert render_mod.main(argv) == 0
     secret = one(list(yaml.safe_load_all(capsys.readouterr().out)), "Secret")
+    assert secret["stringData"].pop("PIPEDREAM_FT_SECRET")
     assert secret["stringData"] == {"AWS_ACCESS_KEY_ID": "yes", "AWS_SECRET_ACCESS_KEY": "0123"}
+
+
+def test_the_jobs_key_comes_from_the_values_or_the_environment_and_every_pod_reads_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    key = "k" * 40
+    assert render_mod.main(["--set", "create_secret=true", "--set", f"job_secret={key}"],
+                           environ={"AWS_ACCESS_KEY_ID": SECRET_ID, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert one(docs, "Secret")["stringData"]["PIPEDREAM_FT_SECRET"] == key
+    env = env_of(container_of(one(docs, "Job")["spec"]["template"]))
+    assert env["PIPEDREAM_FT_SECRET"]["valueFrom"] == {"secretKeyRef": {"name": "pipedream-ft-s3",
+                                                                         "key": "PIPEDREAM_FT_SECRET"}}
+    environ = {"AWS_ACCESS_KEY_ID": SECRET_ID, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "PIPEDREAM_FT_SECRET": key}
+    assert render_mod.main(["--set", "create_secret=true"], environ=environ) == 0
+    assert one(list(yaml.safe_load_all(capsys.readouterr().out)), "Secret")["stringData"]["PIPEDREAM_FT_SECRET"] == key
+    assert render_mod.main(["--set", "job_secret=short"]) == 2
+    assert "job_secret must be empty or at least 16 characters, got 5" in capsys.readouterr().err
 
 
 def test_cli_takes_credentials_from_the_environment(capsys: pytest.CaptureFixture[str]) -> None:
