@@ -655,7 +655,9 @@ class PipelineTrainer:
             while True:
                 failure = self._run(data, stop)
                 if failure is None:
-                    break
+                    failure, losses = self._gather_losses()
+                    if failure is None:
+                        break
                 self._recover(failure)
         finally:
             self.record.end()
@@ -663,7 +665,7 @@ class PipelineTrainer:
         self.state.position = stop
         self.progress.report(stop, force=True)
         seconds = time.perf_counter() - t0
-        result = TrainResult(ex.gather_losses(), start, seconds, ex.stats, trained=stop - began)
+        result = TrainResult(losses, start, seconds, ex.stats, trained=stop - began)
         if self.config.summary:
             self._print_summary(seconds)
         return result
@@ -713,6 +715,7 @@ class PipelineTrainer:
                 self.state.tied.drain(stop // self.mode.update_unit(self.topo))
             self.hooks.on_event("draining")
             self._flush_sends()
+            self.faults.at_drained()
             return None
         except PipelineSetupError as exc:  # found here; any recovery would meet it again: the whole group stops
             self.coordinator.publish_job_error(str(exc))
@@ -724,6 +727,21 @@ class PipelineTrainer:
             if self.membership is None:
                 raise
             return str(exc)
+
+    def _gather_losses(self) -> tuple[str | None, list[float]]:
+        """Every minibatch's loss of the call, on every rank; or — with in-place recovery — why the group failed
+        while gathering them. The gather is the last collective of the recoverable region: a peer that dies while
+        the others wait here (they finished their last minibatch, it had not) is recovered like one that dies
+        while they train, instead of failing the ranks that were done."""
+        try:
+            return None, self.executor.gather_losses()
+        except PeerTimeoutError as exc:
+            error = self.coordinator.job_error()
+            if error is not None:
+                raise JobError(error) from None
+            if self.membership is None:
+                raise
+            return str(exc), []
 
     def _print_summary(self, seconds: float) -> None:
         """Gather every rank's statistics and print a table on rank 0. A collective."""

@@ -114,6 +114,9 @@ CASES = {
                                             "starting replacement 1"),
     # before the memory tier's first cut (4): the group goes back to the start, which every rank keeps as a cut
     "a crash before the first checkpoint": ("kill@rank=2,step=3", 3, 1, "continuing from checkpoint 0"),
+    # after its last minibatch, while the ranks that finished first wait in the call's closing gather of the losses:
+    # they recover like ranks still training (they were failing and being replaced themselves)
+    "a failure while the others gather the losses": ("drained@rank=1,step=0", TOTAL, 1, "injecting fault drained"),
 }
 
 

@@ -22,6 +22,8 @@ again unless asked to be (two failures in a row: a second fault with ``attempt=1
                 the group forms again; ``step`` is ignored)
 ``connect``     die (SIGKILL) as the groups of an in-place recovery of attempt ``attempt`` are about to connect
                 (every rank restored the cut; the others wait for this one's address; ``step`` is ignored)
+``drained``     die (SIGKILL) once the rank has run the last action of a ``train`` call, before the call's closing
+                gather of the losses (the ranks that finished first wait there; ``step`` is ignored)
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from ..pipeline.schedule import Action
 
 __all__ = ["KINDS", "Fault", "InjectedFault", "FaultInjector", "parse_faults"]
 
-KINDS = ("kill", "exception", "hang", "term", "supervisor", "ckpt_crash", "corrupt", "rejoin", "connect")
+KINDS = ("kill", "exception", "hang", "term", "supervisor", "ckpt_crash", "corrupt", "rejoin", "connect",
+         "drained")
 ENV_VAR = "PIPEDREAM_FT_FAULTS"
 
 
@@ -140,6 +143,14 @@ class FaultInjector(Hooks):
             time.sleep(60)  # this process dies with its supervisor (PR_SET_PDEATHSIG)
         else:
             os.kill(os.getpid(), signal.SIGTERM)
+
+    def at_drained(self) -> None:
+        """Called as the rank has run the last action of a ``train`` call (``drained``)."""
+        f = next((f for f in self.faults if f.kind == "drained"), None)
+        if f is not None:
+            self.faults.remove(f)
+            say(f"pipedream-ft: rank {self.rank}: injecting fault {f}", sys.stdout)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def instrument(self, checkpointer: Any) -> None:
         """Arm the checkpoint faults on ``checkpointer``: ``ckpt_crash`` through its storage's writes, ``corrupt``
