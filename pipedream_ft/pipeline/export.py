@@ -107,6 +107,12 @@ def save_model(messenger: Messenger, module: nn.Module, *, replica: int, path: s
     model to ``path`` in ``format`` (see the module docstring). A collective; a write failure raises
     :class:`PipelineError` on every rank."""
     check_format(format)
+    _gather_and_write(messenger, module, replica, lambda state: write_state_dict(state, path, format))
+
+
+def _gather_and_write(messenger: Messenger, module: nn.Module, replica: int, write: Any) -> None:
+    """Gather every stage's ``module.state_dict()`` (from its replica 0) onto rank 0, which calls
+    ``write(state)``; a :class:`PipelineError` there is raised on every rank. A collective."""
     mine = {k: v.detach().cpu() for k, v in module.state_dict().items()} if replica == 0 else {}
     parts = gather_to_root(messenger, mine)
     error: str | None = None
@@ -115,7 +121,7 @@ def save_model(messenger: Messenger, module: nn.Module, *, replica: int, path: s
         for part in parts:
             state.update(part)
         try:
-            write_state_dict(state, path, format)
+            write(state)
         except PipelineError as exc:
             error = str(exc)
     errors = [e for e in messenger.group.all_gather_object(error) if e]
@@ -187,17 +193,11 @@ def save_pretrained(messenger: Messenger, module: nn.Module, *, replica: int, di
     if pretrained is None:
         raise PipelineError("save_pretrained needs a transformers model (with a config): this model has none; "
                             "use save_model(path, format='safetensors')")
-    mine = {k: v.detach().cpu() for k, v in module.state_dict().items()} if replica == 0 else {}
-    parts = gather_to_root(messenger, mine)
-    error: str | None = None
-    if parts is not None:
-        state: dict[str, torch.Tensor] = {}
-        for part in parts:
-            state.update(part)
+
+    def write(state: dict[str, torch.Tensor]) -> None:
         try:
             write_pretrained(state, directory, pretrained, max_shard_bytes=max_shard_bytes)
         except Exception as exc:
-            error = f"cannot write the model to {directory}: {type(exc).__name__}: {exc}"
-    errors = [e for e in messenger.group.all_gather_object(error) if e]
-    if errors:
-        raise PipelineError(errors[0])
+            raise PipelineError(f"cannot write the model to {directory}: {type(exc).__name__}: {exc}") from None
+
+    _gather_and_write(messenger, module, replica, write)
