@@ -721,12 +721,18 @@ class PipelineTrainer:
             self.coordinator.publish_job_error(str(exc))
             raise
         except PeerTimeoutError as exc:
-            error = self.coordinator.job_error()
-            if error is not None:
-                raise JobError(error) from None
-            if self.membership is None:
-                raise
-            return str(exc)
+            return self._peer_failure(exc)
+
+    def _peer_failure(self, exc: PeerTimeoutError) -> str:
+        """A peer's failure seen by :meth:`_run` or :meth:`_gather_losses`: the job's error if one was published
+        (raised as :class:`JobError`), else — with in-place recovery — the reason to recover with; without it,
+        ``exc`` is raised again."""
+        error = self.coordinator.job_error()
+        if error is not None:
+            raise JobError(error) from None
+        if self.membership is None:
+            raise exc
+        return str(exc)
 
     def _gather_losses(self) -> tuple[str | None, list[float]]:
         """Every minibatch's loss of the call, on every rank; or — with in-place recovery — why the group failed
@@ -736,12 +742,7 @@ class PipelineTrainer:
         try:
             return None, self.executor.gather_losses()
         except PeerTimeoutError as exc:
-            error = self.coordinator.job_error()
-            if error is not None:
-                raise JobError(error) from None
-            if self.membership is None:
-                raise
-            return str(exc), []
+            return self._peer_failure(exc), []
 
     def _print_summary(self, seconds: float) -> None:
         """Gather every rank's statistics and print a table on rank 0. A collective."""
