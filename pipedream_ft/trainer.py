@@ -469,7 +469,7 @@ class PipelineTrainer:
         while True:
             record.setdefault("joining", time.time())
             formed = self.membership.form(
-                lambda: [c for c in ckpt.restorable_cuts() if c not in self._bad_cuts])
+                lambda: [c for c in ckpt.restorable_cuts() if c not in self._bad_cuts], lambda: ckpt.last_saved)
             record["formed"] = time.time()
             part: dict[str, Any] | None = None
             try:
@@ -495,8 +495,8 @@ class PipelineTrainer:
                 continue
             self._attach(group)
             self.state.restore(part)
-            ckpt.restored(formed.cut)
-            self.faults.set_attempt(self.env.restart_count + formed.epoch)
+            self.faults.set_attempt(self.env.restart_count + formed.epoch)  # before restored() may write a part
+            ckpt.restored(formed.cut, durable=formed.durable)
             return formed
 
     def _recover(self, failure: str) -> None:

@@ -117,6 +117,10 @@ CASES = {
     # after its last minibatch, while the ranks that finished first wait in the call's closing gather of the losses:
     # they recover like ranks still training (they were failing and being replaced themselves)
     "a failure while the others gather the losses": ("drained@rank=1,step=0", TOTAL, 1, "injecting fault drained"),
+    # its part of the last durable checkpoint never lands: the replacement writes it from the restored cut, or the
+    # commit (and the run) would fail
+    "a crash while writing the last checkpoint": (f"ckpt_crash@rank=1,step={TOTAL}", TOTAL, 1,
+                                                  "injecting fault ckpt_crash"),
 }
 
 

@@ -350,10 +350,15 @@ class Checkpointer:
                 problems.append(f"durable tier: {exc}")
         raise CorruptCheckpointError(f"cut {cut}: part {self.part} cannot be restored ({'; '.join(problems)})")
 
-    def restored(self, cut: int) -> None:
+    def restored(self, cut: int, *, durable: bool = False) -> None:
         """The state was rolled back to ``cut``: decide and save cuts after it again. What the durable tier holds
         of later cuts belongs to a history that does not go on: saves of them are abandoned and rank 0 retires
-        their commits (see :meth:`CheckpointWriter.rewind`), so those cuts are written anew when reached."""
+        their commits (see :meth:`CheckpointWriter.rewind`), so those cuts are written anew when reached.
+
+        ``durable``: ``cut`` itself is a durable checkpoint some rank saved (see
+        :attr:`~pipedream_ft.ft.recovery.Formed.durable`). This rank saves its part of it again unless it did so
+        itself — a replacement process, whose predecessor may have died before its write ended: the commit waits
+        for every part, and the restored state is exactly that cut's."""
         if self.owner is not None and self.owner.token is None:  # a replacement of rank 0's process
             self.owner.adopt()
             self.owner.start_heartbeat()
@@ -364,6 +369,12 @@ class Checkpointer:
                     "history retired", sys.stdout)
             if self.last_saved > cut:
                 self.last_saved = -1
+            if durable and self.last_saved != cut:
+                handle = self.writer.save(cut, self.state.capture(cut, frozen=immutable))
+                self.last_saved = cut
+                self._handles.append(handle)
+                del self._handles[:-4]
+                log.info("rank %d: durable part of cut %d saved again after the recovery", self.topo.rank, cut)
         self.last_cut = cut
         for policy in (self.config.policy, self.config.memory_policy):
             if policy is not None:

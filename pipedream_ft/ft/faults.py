@@ -196,13 +196,14 @@ class FaultInjector(Hooks):
 
     def wrap_part_write(self, write: Callable[[str, bytes], Any]) -> Callable[[str, bytes], Any]:
         """Wrap ``Storage.write_bytes`` so a ``ckpt_crash`` fault kills the rank mid-write of its part."""
-        targets = [f for f in self.faults if f.kind == "ckpt_crash"]
-        if not targets:
+        if not any(f.kind == "ckpt_crash" for f in self._mine):
             return write
 
         def crashing_write(rel: str, data: bytes) -> Any:
             step = _step_of(rel)
-            if step is not None and rel.endswith(".pt") and any(step >= f.step for f in targets):
+            # the faults armed now: a replacement process (in place) is started at attempt 0 and armed for its own
+            # attempt once the group is formed, before it writes anything
+            if step is not None and rel.endswith(".pt") and self._take(("ckpt_crash",), step) is not None:
                 say(f"pipedream-ft: rank {self.rank}: injecting fault ckpt_crash while writing {rel}", sys.stdout)
                 write(rel + ".partial", data[: len(data) // 2])
                 os.kill(os.getpid(), signal.SIGKILL)

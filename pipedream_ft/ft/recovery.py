@@ -61,7 +61,14 @@ class Formed:
     cut: int
     """The newest cut every rank can restore: where training continues."""
     records: dict[int, dict[str, Any]]
-    """Every rank's join record (incarnation, cuts, fingerprint)."""
+    """Every rank's join record (incarnation, cuts, fingerprint, newest durable cut)."""
+
+    @property
+    def durable(self) -> bool:
+        """Some rank saved :attr:`cut` to the durable tier: the cut is a durable checkpoint of this history, and a
+        rank whose part of it is not there (a replacement; a process that died before its write ended) writes it
+        from the restored state, or the commit would wait for it in vain."""
+        return any(rec.get("durable", -1) == self.cut for rec in self.records.values())
 
 
 class Heartbeat:
@@ -172,16 +179,18 @@ class Membership:
         """Count the failure of the current epoch (idempotent across ranks)."""
         self.live.report_failure(self.epoch)
 
-    def form(self, cuts: Callable[[], list[int]]) -> Formed:
+    def form(self, cuts: Callable[[], list[int]], durable: Callable[[], int] = lambda: -1) -> Formed:
         """Join the newest epoch and wait until it is formed; returns it with the agreed cut. ``cuts()`` lists
-        the cuts this rank can restore (asked again at every attempt). Raises :class:`RecoveryFailed`."""
+        the cuts this rank can restore (asked again at every attempt); ``durable()`` is the newest cut this rank
+        saved to the durable tier (-1: none), so the others learn whether the agreed cut is one the durable tier
+        waits for (see :attr:`Formed.durable`). Raises :class:`RecoveryFailed`."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             epoch = self.live.failures()
             mine = sorted(set(cuts()))
             self.live.running(self.rank, epoch)  # a death from now on fails this epoch
             self.live.join(epoch, self.rank, {"incarnation": self.incarnation, "cuts": mine,
-                                             "fingerprint": self.fingerprint})
+                                             "fingerprint": self.fingerprint, "durable": durable()})
             if self.on_join is not None:
                 self.on_join(epoch)
             formed = self._wait_formed(epoch, deadline)
