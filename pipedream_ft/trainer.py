@@ -66,7 +66,7 @@ from .pipeline.compensation import Compensation, check_compensation
 from .pipeline.modes import MODES, Mode, make_mode
 from .pipeline.precision import LossScale, LossScaler, autocast_context, check_autocast
 from .pipeline.record import TrainRecord
-from .pipeline.schedule import Action
+from .pipeline.schedule import SYNCHRONOUS, Action
 from .pipeline.scheduler import SchedulerFactory, attach_scheduler
 from .pipeline.stage import build_stage, executed_layers, model_layers
 from .pipeline.state import StageState
@@ -80,6 +80,22 @@ __all__ = ["MODES", "EvalResult", "LossScale", "PipelineConfig", "RankStats", "T
 log = logging.getLogger(__name__)
 
 
+def check_schedule(schedule: str, mode: str) -> None:
+    """Raise ValueError, naming what runs, unless ``mode`` runs ``schedule``."""
+    from .schedules import SCHEDULES
+
+    if schedule == "pipedream":
+        raise ValueError("schedule 'pipedream' is the asynchronous modes' (mode 'stash' or 'vertical'); mode "
+                         f"'flush' runs {', '.join(SYNCHRONOUS)}")
+    if schedule not in SYNCHRONOUS:
+        why = ("runs several stages per rank, which the runtime does not run yet (`python -m pipedream_ft.schedules "
+               f"{schedule}` simulates it)") if schedule in SCHEDULES else "is unknown"
+        raise ValueError(f"schedule {schedule!r} {why}; mode 'flush' runs {', '.join(SYNCHRONOUS)}")
+    if schedule != "1f1b" and mode != "flush":
+        raise ValueError(f"schedule {schedule!r} is a synchronous schedule (mode 'flush'); mode {mode!r} runs "
+                         "PipeDream's asynchronous 1F1B")
+
+
 @dataclass(kw_only=True, slots=True)
 class PipelineConfig:
     """How the pipeline trains."""
@@ -89,6 +105,10 @@ class PipelineConfig:
     ``"2bw"`` (PipeDream-2BW, see :mod:`pipedream_ft.pipeline.modes`)."""
     flush_every: int = 4
     """Minibatches per optimizer step in ``"flush"`` mode."""
+    schedule: str = "1f1b"
+    """The ``"flush"`` mode's schedule inside a window: ``"1f1b"``, ``"gpipe"`` or ``"zb_h1"`` (zero bubble:
+    the backward split in two, see :mod:`pipedream_ft.pipeline.splitbackward`); all give minibatch SGD. The
+    asynchronous modes run PipeDream's 1F1B."""
     update_every: int | None = None
     """Minibatches per optimizer step in ``"2bw"`` mode (default: the number of stages)."""
     compensation: Compensation | None = None
@@ -135,6 +155,7 @@ class PipelineConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.flush_every < 1:
             raise ValueError(f"flush_every must be >= 1, got {self.flush_every}")
+        check_schedule(self.schedule, self.mode)
         if self.update_every is not None and self.update_every < 1:
             raise ValueError(f"update_every must be >= 1, got {self.update_every}")
         check_compensation(self.compensation, self.mode)
@@ -232,7 +253,7 @@ class PipelineTrainer:
             raise PlanError(f"the profile (hash {profile.structure_hash()[:12]}) is not the plan's model "
                             f"(hash {plan.profile_hash[:12]})")
         self.original_plan = plan
-        self.mode: Mode = make_mode(config.mode, config.flush_every, config.update_every)
+        self.mode: Mode = make_mode(config.mode, config.flush_every, config.update_every, config.schedule)
         if plan.world_size != env.world_size and len(ml.names) == plan.num_layers:
             plan = self._replan(plan, checkpoint)
         elif checkpoint is not None and checkpoint.url is not None:
@@ -695,6 +716,7 @@ class PipelineTrainer:
                 ex.preflight(feed)
             actions = self.schedule(self.position, stop)
             forwards = [i for i, a in enumerate(actions) if a.kind == "F"]
+            run = {"B": ex.backward, "I": ex.backward_input, "W": ex.backward_weight, "U": ex.update}
             nxt = 0  # first forward at or after the current action
             for i, action in enumerate(actions):
                 # post the next receives before computing: this forward's and the next one's
@@ -705,10 +727,8 @@ class PipelineTrainer:
                 self.hooks.on_action(action)
                 if action.kind == "F":
                     ex.forward(action.index, feed)
-                elif action.kind == "B":
-                    ex.backward(action.index)
                 else:
-                    ex.update(action.index)
+                    run[action.kind](action.index)
                 if self.ckpt is not None:
                     self.ckpt.announce_preemption()
             if self.state.tied:

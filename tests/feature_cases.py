@@ -99,7 +99,7 @@ DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 def feature_case(spec: dict[str, Any]) -> dict[str, Any]:
     """Per-rank body: build a trainer from ``spec``, train (possibly resuming), evaluate, save; return what the
     test checks. Keys: model, stages, replicas, mode, flush_every, opt, source, n, epochs, sched, clip,
-    autocast, loss_scale, url, every, stop_at, total, eval (n samples), save (path, format)."""
+    autocast, loss_scale, url, every, stop_at, total, eval (n samples), save (path, format), schedule."""
     from pipedream_ft import CheckpointConfig, EveryNSteps, LossScale, PipelineConfig, PipelineTrainer
 
     model = MODELS[spec.get("model", "mlp")]()
@@ -109,6 +109,7 @@ def feature_case(spec: dict[str, Any]) -> dict[str, Any]:
     source, ds = make_source(spec.get("source", "callable"), spec.get("n", 600), epochs=spec.get("epochs", 1),
                              shuffle_seed=spec.get("shuffle_seed", 7))
     config = PipelineConfig(mode=spec.get("mode", "stash"), flush_every=spec.get("flush_every", 4), timeout_s=60,
+                            schedule=spec.get("schedule", "1f1b"),
                             summary=False, clip_grad_norm=spec.get("clip"), autocast_dtype=DTYPES[spec.get("autocast")],
                             loss_scale=LossScale(**spec.get("loss_scale", {})))
     checkpoint = CheckpointConfig(url=spec["url"], policy=EveryNSteps(spec.get("every", 8)),

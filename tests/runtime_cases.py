@@ -183,12 +183,13 @@ def gpt_plan(workers: int, straight: bool = True) -> dict:
 
 
 def gpt_case(plan_json: dict, steps: int, mode: str = "stash", opt: str = "adam", flush_every: int = 4,
-             ckpt: str | None = None, stop_at: int | None = None) -> dict[str, Any]:
+             ckpt: str | None = None, stop_at: int | None = None, schedule: str = "1f1b") -> dict[str, Any]:
     from pipedream_ft import CheckpointConfig, EveryNSteps, PipelineConfig, PipelineTrainer
 
     plan = Plan.from_json(plan_json)
     trainer = PipelineTrainer(tiny_gpt(), plan, loss_fn=lm_loss, optimizer_factory=OPTIMIZERS[opt],
-                              config=PipelineConfig(mode=mode, flush_every=flush_every, timeout_s=60, summary=False),
+                              config=PipelineConfig(mode=mode, flush_every=flush_every, timeout_s=60, summary=False,
+                                                    schedule=schedule),
                               checkpoint=CheckpointConfig(url=ckpt, policy=EveryNSteps(4), defer_when_behind=False)
                               if ckpt else None)
     target = stop_at if stop_at is not None else steps

@@ -10,6 +10,8 @@ The executor runs the actions a :class:`~pipedream_ft.pipeline.modes.Mode` sched
   computes the loss, with the targets from the feed).
 * ``B b``: differentiate with respect to that same version and the inputs; accumulate the parameter gradients;
   send the input gradients back.
+* ``I b`` then, later, ``W b``: the same backward split in two (zero-bubble schedules): ``I`` sends the input
+  gradients back, ``W`` accumulates the parameter gradients (see :mod:`~pipedream_ft.pipeline.splitbackward`).
 * ``U j``: all-reduce gradients among the stage's replicas, apply them (:attr:`Executor.step`: the optimizer step,
   or :class:`~pipedream_ft.pipeline.stepper.Stepper`'s clipping, loss scaling and LR schedule), publish a new
   weight version.
@@ -38,6 +40,7 @@ from .crossing import Structure
 from .data import bind_inputs
 from .hooks import Hooks
 from .modes import Mode
+from .splitbackward import WeightBackward, input_backward
 from .state import StageState
 from .topology import Topology
 from .versions import Version
@@ -154,6 +157,8 @@ class Executor:
         self._out_structure: Structure | None = None
         """Structure of the values this stage sends (fixed at the pre-flight, checked at every send)."""
         self._inflight: dict[int, _InFlight] = {}
+        self._weight_jobs: dict[int, tuple[WeightBackward | None, list[torch.Tensor]]] = {}
+        """Minibatches whose ``I`` ran and whose ``W`` has not."""
         self._act_recv: dict[int, RecvHandle] = {}
         self._generator = torch.cuda.default_generators[self.device.index or 0] if self.device.type == "cuda" \
             else torch.default_generator
@@ -334,47 +339,99 @@ class Executor:
         self._note_stash()
 
     def backward(self, b: int) -> None:
+        """``B``: the whole backward of minibatch ``b``; the input gradient goes to the previous stage."""
         if self.stop_at is not None and b >= self.stop_at:
             return
-        topo, state = self.topo, self.state
         rec = self._inflight.pop(b)
-        if topo.is_last:
-            assert rec.loss is not None
-            roots, grads = [rec.loss], [None]
-        else:
-            assert rec.grad_recv is not None
-            _, received = rec.grad_recv.wait()
-            self._waited(rec.grad_recv, "gradient")
-            floats = [t for t in rec.outputs if t.is_floating_point()]
-            pairs = [(o, g) for o, g in zip(floats, received) if o.requires_grad]
-            roots, grads = [p[0] for p in pairs], [p[1] for p in pairs]
+        roots, grads = self._output_grads(rec)
         t0 = time.perf_counter()
         w0 = time.time()
+        wrt_params, targets = self._weights(rec)
+        wrt_inputs = self._grad_inputs(rec)
+        wrt = wrt_params + wrt_inputs
+        if roots and wrt:
+            got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
+        else:
+            got = (None,) * len(wrt)
+        self._accumulate(targets, got[: len(wrt_params)])
+        self._send_input_grads(b, wrt_inputs, got[len(wrt_params):])
+        self.stats.backward_s += time.perf_counter() - t0
+        self.stats.minibatches += 1
+        self.hooks.on_backward(b, w0, time.time())
+
+    def backward_input(self, b: int) -> None:
+        """``I``: the input gradient of minibatch ``b`` only, sent to the previous stage; the weight gradient waits
+        for :meth:`backward_weight` (see :mod:`~pipedream_ft.pipeline.splitbackward`)."""
+        if self.stop_at is not None and b >= self.stop_at:
+            return
+        rec = self._inflight.pop(b)
+        roots, grads = self._output_grads(rec)
+        t0 = time.perf_counter()
+        w0 = time.time()
+        wrt_params, targets = self._weights(rec)
+        wrt_inputs = self._grad_inputs(rec)
+        if roots:
+            in_grads, job = input_backward(roots, grads, wrt_inputs, wrt_params)
+        else:
+            in_grads, job = (None,) * len(wrt_inputs), None
+        self._send_input_grads(b, wrt_inputs, in_grads)
+        self._weight_jobs[b] = (job, targets)
+        self.stats.backward_s += time.perf_counter() - t0
+        self.hooks.on_backward(b, w0, time.time())
+
+    def backward_weight(self, b: int) -> None:
+        """``W``: the weight gradient of minibatch ``b``, whose :meth:`backward_input` ran."""
+        if self.stop_at is not None and b >= self.stop_at:
+            return
+        job, targets = self._weight_jobs.pop(b)
+        t0 = time.perf_counter()
+        if job is not None:
+            self._accumulate(targets, job.run())
+        self.stats.backward_s += time.perf_counter() - t0
+        self.stats.minibatches += 1
+
+    def _output_grads(self, rec: _InFlight) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """The roots of a backward and their gradients (the loss; or the outputs, whose gradients this waits for)."""
+        if self.topo.is_last:
+            assert rec.loss is not None
+            return [rec.loss], [None]
+        assert rec.grad_recv is not None
+        _, received = rec.grad_recv.wait()
+        self._waited(rec.grad_recv, "gradient")
+        floats = [t for t in rec.outputs if t.is_floating_point()]
+        pairs = [(o, g) for o, g in zip(floats, received) if o.requires_grad]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def _weights(self, rec: _InFlight) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The weight tensors the forward used (its version's, tied ones included) and the parameters their
+        gradients go to."""
+        state = self.state
         wrt_params = [t for t in rec.version.tensors if t.requires_grad]
         targets = state.live_params
         if state.tied:
             live = [(g.param, v.tensors[0]) for g, v in zip(state.tied.groups, rec.tied) if g.param.requires_grad]
             wrt_params += [t for _, t in live]
             targets = targets + [p for p, _ in live]
-        wrt_inputs = [t for t in rec.inputs if t.is_floating_point() and t.requires_grad] if not topo.is_first else []
-        wrt = wrt_params + wrt_inputs
-        if roots and wrt:
-            got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
-        else:
-            got = (None,) * len(wrt)
-        for p, g in zip(targets, got[: len(wrt_params)]):
+        return wrt_params, targets
+
+    def _grad_inputs(self, rec: _InFlight) -> list[torch.Tensor]:
+        if self.topo.is_first:
+            return []
+        return [t for t in rec.inputs if t.is_floating_point() and t.requires_grad]
+
+    def _accumulate(self, targets: list[torch.Tensor], got: Sequence[torch.Tensor | None]) -> None:
+        for p, g in zip(targets, got):
             if g is None:
                 continue
             if p.grad is None:
                 p.grad = g.detach() if self.mode.asynchronous else g.detach().clone()
             else:
                 p.grad.add_(g)
-        if not topo.is_first:
-            in_grads = [g if g is not None else torch.zeros_like(t) for t, g in zip(wrt_inputs, got[len(wrt_params):])]
-            self.messenger.send_gradients(topo.peer(topo.stage - 1, b), b, in_grads)
-        self.stats.backward_s += time.perf_counter() - t0
-        self.stats.minibatches += 1
-        self.hooks.on_backward(b, w0, time.time())
+
+    def _send_input_grads(self, b: int, wrt_inputs: list[torch.Tensor], got: Sequence[torch.Tensor | None]) -> None:
+        if not self.topo.is_first:
+            in_grads = [g if g is not None else torch.zeros_like(t) for t, g in zip(wrt_inputs, got)]
+            self.messenger.send_gradients(self.topo.peer(self.topo.stage - 1, b), b, in_grads)
 
     def update(self, round_: int) -> None:
         topo, state = self.topo, self.state
@@ -439,6 +496,7 @@ class Executor:
         """Forget in-flight minibatches, pending receives and cuts: the group they were on failed. Drops every
         reference to its pending operations."""
         self._inflight.clear()
+        self._weight_jobs.clear()
         self._act_recv.clear()
         self.cuts.clear()
         self.state.drop_gradients()  # of a backward whose update will never come

@@ -7,8 +7,8 @@
   ``R`` replicas) and the in-flight depth ``ceil(sum(R[s:]) / R[s])``.
 * :class:`Vertical`: like :class:`Stash`, but every stage uses the version stage 0 used for the minibatch
   (vertical sync); the version number travels with the activations.
-* :class:`Flush`: 1F1B inside windows of ``flush_every`` minibatches and one optimizer step on their mean
-  gradient per window: synchronous minibatch SGD.
+* :class:`Flush`: 1F1B (or GPipe, or ZB-H1) inside windows of ``flush_every`` minibatches and one optimizer step
+  on their mean gradient per window: synchronous minibatch SGD.
 * :class:`TwoBW` (PipeDream-2BW): 1F1B with no flush, one optimizer step per window of ``m`` minibatches on
   their mean gradient; every stage runs the forward and backward of the minibatches of window ``k`` with its
   weights after ``max(0, k - 1)`` updates — one update behind, so at most two weight versions per stage.
@@ -25,7 +25,7 @@ from typing import ClassVar
 
 from partitioner.plan import PlanError
 
-from .schedule import Action, double_buffered, flushing, in_flight, one_f_one_b
+from .schedule import SYNCHRONOUS, Action, double_buffered, in_flight, one_f_one_b, synchronous
 from .topology import Topology
 from .versions import Version, VersionStore
 
@@ -139,19 +139,26 @@ class Flush(Mode):
     name = "flush"
     asynchronous = False
 
-    def __init__(self, flush_every: int) -> None:
+    def __init__(self, flush_every: int, schedule: str = "1f1b") -> None:
         if flush_every < 1:
             raise ValueError(f"flush_every must be >= 1, got {flush_every}")
+        if schedule not in SYNCHRONOUS:
+            raise ValueError(f"schedule must be one of {SYNCHRONOUS}, got {schedule!r}")
         self.flush_every = flush_every
+        self.order = schedule
+        """The schedule inside a window (see :data:`~pipedream_ft.pipeline.schedule.SYNCHRONOUS`)."""
 
     def check(self, topo: Topology) -> None:
         lcm = math.lcm(*topo.replicas)
         if self.flush_every % lcm:
             raise PlanError(f"flush_every {self.flush_every} must be a multiple of {lcm}, the least common "
                             f"multiple of the plan's replica counts {list(topo.replicas)}")
+        if self.order != "1f1b" and any(r != 1 for r in topo.replicas):
+            raise PlanError(f"schedule {self.order!r} runs a straight pipeline; the plan replicates stages "
+                            f"{[s for s, r in enumerate(topo.replicas) if r != 1]} (schedule '1f1b' runs it)")
 
     def schedule(self, topo: Topology, start: int, stop: int) -> list[Action]:
-        return flushing(topo.stage, topo.replica, topo.replicas, start, stop, self.flush_every)
+        return synchronous(self.order, topo.stage, topo.replica, topo.replicas, start, stop, self.flush_every)
 
     def window(self, topo: Topology) -> int:
         return math.lcm(super().window(topo), self.flush_every)
@@ -178,7 +185,7 @@ class Flush(Mode):
         return 0
 
     def __repr__(self) -> str:
-        return f"flush(every {self.flush_every})"
+        return f"flush(every {self.flush_every}, {self.order})"
 
 
 class TwoBW(Mode):
@@ -265,15 +272,15 @@ class TwoBW(Mode):
         return f"2bw(every {self.every if self.every is not None else 'stage count'})"
 
 
-def make_mode(name: str, flush_every: int = 4, update_every: int | None = None) -> Mode:
+def make_mode(name: str, flush_every: int = 4, update_every: int | None = None, schedule: str = "1f1b") -> Mode:
     """The mode called ``name`` (one of :data:`MODES`); ``update_every`` is 2bw's update interval (default: the
-    number of stages)."""
+    number of stages); ``schedule`` the flush mode's schedule inside a window."""
     if name == "stash":
         return Stash()
     if name == "vertical":
         return Vertical()
     if name == "flush":
-        return Flush(flush_every)
+        return Flush(flush_every, schedule)
     if name == "2bw":
         return TwoBW(update_every)
     raise ValueError(f"mode must be one of {MODES}, got {name!r}")

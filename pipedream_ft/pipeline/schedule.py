@@ -30,6 +30,8 @@ __all__ = [
     "replica_minibatches",
     "one_f_one_b",
     "flushing",
+    "SYNCHRONOUS",
+    "synchronous",
     "double_buffered",
     "simulate",
     "render",
@@ -42,9 +44,10 @@ class ScheduleError(RuntimeError):
 
 class Action(NamedTuple):
     kind: str
-    """``"F"``, ``"B"`` or ``"U"``."""
+    """``"F"``, ``"B"``, ``"I"`` / ``"W"`` (the backward split: input gradient, then weight gradient) or
+    ``"U"``."""
     index: int
-    """Minibatch number (``F``/``B``) or update round (``U``)."""
+    """Minibatch number (``F``/``B``/``I``/``W``) or update round (``U``)."""
 
     def __str__(self) -> str:
         return f"{self.kind}{self.index}"
@@ -108,6 +111,37 @@ def flushing(stage: int, replica: int, replicas: Sequence[int], start: int, stop
     return actions
 
 
+SYNCHRONOUS = ("1f1b", "gpipe", "zb_h1")
+"""The schedules ``flush`` mode runs (one stage per rank): 1F1B (:func:`flushing`, replicated stages too),
+GPipe's fill and drain, and ZB-H1 (zero bubble with 1F1B's memory: the backward split into ``I`` and ``W``, a
+rank's first weight gradients deferred into the drain)."""
+
+
+def synchronous(name: str, stage: int, replica: int, replicas: Sequence[int], start: int, stop: int,
+                window: int) -> list[Action]:
+    """Schedule ``name`` (one of :data:`SYNCHRONOUS`) over windows of ``window`` minibatches, one update per window:
+    the orders of :mod:`pipedream_ft.schedules`, whose minibatch ``m`` of a window is minibatch ``w + m`` here.
+    GPipe and ZB-H1 run straight pipelines (no replicated stage)."""
+    if name == "1f1b":
+        return flushing(stage, replica, replicas, start, stop, window)
+    if name not in SYNCHRONOUS:
+        raise ValueError(f"schedule must be one of {SYNCHRONOUS}, got {name!r}")
+    if any(r != 1 for r in replicas):
+        raise ValueError(f"schedule {name!r} runs a straight pipeline; the plan replicates stages "
+                         f"{[s for s, r in enumerate(replicas) if r != 1]} (use '1f1b')")
+    _check_window(start, stop, replicas)
+    if window < 1 or start % window or stop % window:
+        raise ValueError(f"minibatches [{start}, {stop}) are not whole windows of {window}")
+    from ..schedules import catalog
+
+    order = catalog.build(name, len(replicas), window).schedule[stage]
+    actions: list[Action] = []
+    for w in range(start // window, stop // window):
+        actions += [Action(a.kind.value, w * window + a.index) for a in order]
+        actions.append(Action("U", w))
+    return actions
+
+
 def double_buffered(stage: int, replica: int, replicas: Sequence[int], start: int, stop: int,
                     window: int) -> list[Action]:
     """PipeDream-2BW: asynchronous 1F1B (no flush) with one update per window of ``window`` minibatches, right
@@ -149,7 +183,8 @@ def simulate(schedules: Sequence[Sequence[Sequence[Action]]], replicas: Sequence
     """Run ``schedules[stage][replica]`` on a unit-time clock; return ``grid[t][rank]``.
 
     Ranks are numbered stage by stage. An action runs once its inputs exist: ``F b`` needs ``F b`` of the
-    previous stage, ``B b`` needs ``F b`` here and ``B b`` of the next stage, and the ``U j`` of a stage's
+    previous stage, ``B b`` (or ``I b``) needs ``F b`` here and ``B b`` (or ``I b``) of the next stage, ``W b``
+    needs ``I b`` here, and the ``U j`` of a stage's
     replicas run together. Raises :class:`ScheduleError` naming the stuck actions on a deadlock.
     """
     num_stages = len(replicas)
@@ -163,8 +198,10 @@ def simulate(schedules: Sequence[Sequence[Sequence[Action]]], replicas: Sequence
         a = schedules[s][r][pos[(s, r)]]
         if a.kind == "F":
             return s == 0 or (s - 1, a.index) in done_f
-        if a.kind == "B":
+        if a.kind in ("B", "I"):
             return (s, a.index) in done_f and (s == num_stages - 1 or (s + 1, a.index) in done_b)
+        if a.kind == "W":
+            return (s, a.index) in done_b
         for r2 in range(replicas[s]):
             i = pos[(s, r2)]
             if i >= len(schedules[s][r2]) or schedules[s][r2][i] != a:
@@ -184,7 +221,7 @@ def simulate(schedules: Sequence[Sequence[Sequence[Action]]], replicas: Sequence
             pos[(s, r)] += 1
             if a.kind == "F":
                 done_f.add((s, a.index))
-            elif a.kind == "B":
+            elif a.kind in ("B", "I"):
                 done_b.add((s, a.index))
         grid.append(row)
     return grid

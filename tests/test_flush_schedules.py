@@ -1,0 +1,102 @@
+"""``flush`` mode's schedules (1F1B, GPipe, ZB-H1 with its split backward) on real gloo processes: every one is
+gradient accumulation of the plain model (tied weights and shape arithmetic included), and a ZB-H1 run
+checkpoints and resumes bitwise; plus the orders themselves."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dist_helpers import run_world
+from feature_cases import MODELS, ToyData, feature_case, minibatch_reference, sequential_data
+from pipedream_ft import PipelineConfig
+from pipedream_ft.pipeline.modes import Flush
+from pipedream_ft.pipeline.schedule import Action, ScheduleError, simulate, synchronous
+from pipedream_reference import minibatch_sgd_reference
+from runtime_cases import OPTIMIZERS, gpt_case, gpt_plan, lm_data, lm_loss, tiny_gpt
+from partitioner.plan import PlanError
+
+MLP4 = [[0, 1], [2, 3, 4], [5, 6], [7, 8]]
+
+
+def _close(got: dict, want: dict, atol: float) -> None:
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=atol, msg=k)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["gpipe", "zb_h1"])
+def test_gpt_with_tied_embeddings_is_gradient_accumulation_under_every_schedule(schedule):
+    out = run_world(gpt_case, 4, gpt_plan(4), 12, "flush", "sgd", 4, None, None, schedule, timeout=300)
+    want, losses = minibatch_sgd_reference(tiny_gpt(), lm_data, lm_loss, OPTIMIZERS["sgd"], 12, 4)
+    _close(out[0][1]["state"], want, 1e-6)
+    assert out[0][1]["losses"] == pytest.approx(losses, abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_zb_h1_with_a_scheduler_and_global_clipping_is_minibatch_sgd():
+    spec = {"stages": MLP4, "mode": "flush", "schedule": "zb_h1", "flush_every": 4, "total": 16, "sched": "lambda",
+            "clip": 0.25}
+    out = run_world(feature_case, 4, spec)
+    want = minibatch_reference(MODELS["mlp"](), sequential_data(ToyData(600)), 16, 4, "sgd", sched="lambda", clip=0.25)
+    for rank in range(4):
+        _close(out[rank][1]["state"], want["state"], 1e-6)
+    assert out[0][1]["losses"] == pytest.approx(want["losses"], abs=1e-6)
+    assert sum(n > 0.25 for n in want["norms"]) >= 2  # clipping was active
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_zb_h1_run_checkpoints_and_resumes_bitwise(tmp_path):
+    base = {"stages": MLP4, "mode": "flush", "schedule": "zb_h1", "flush_every": 4, "total": 24, "opt": "adam"}
+    url = str(tmp_path / "ckpt")
+    straight = run_world(feature_case, 4, base)[0][1]
+    run_world(feature_case, 4, {**base, "url": url, "every": 8, "stop_at": 12})
+    resumed = run_world(feature_case, 4, {**base, "url": url, "every": 8})[0][1]
+    assert resumed["resumed"] == 8
+    for k, v in straight["state"].items():
+        assert torch.equal(resumed["state"][k], v), k
+
+
+def test_gpipe_runs_every_forward_then_every_backward_then_the_update():
+    assert synchronous("gpipe", 1, 0, [1, 1, 1], 4, 8, 2) == [
+        Action("F", 4), Action("F", 5), Action("B", 4), Action("B", 5), Action("U", 2),
+        Action("F", 6), Action("F", 7), Action("B", 6), Action("B", 7), Action("U", 3)]
+
+
+@pytest.mark.parametrize("stages, window", [(4, 4), (4, 8), (3, 2)])
+def test_zb_h1_splits_every_backward_and_the_pipeline_completes(stages, window):
+    plans = [[synchronous("zb_h1", s, 0, [1] * stages, 0, 2 * window, window)] for s in range(stages)]
+    for s, (acts,) in enumerate(plans):
+        kinds = {k: sorted(a.index for a in acts if a.kind == k) for k in "FIWB"}
+        assert kinds["B"] == [] and kinds["F"] == kinds["I"] == kinds["W"] == list(range(2 * window))
+        assert all(acts.index(Action("I", b)) < acts.index(Action("W", b)) for b in range(2 * window))
+        # stage s defers its first s weight gradients (the last stage: all of them, into its idle drain)
+        first_w = next(i for i, a in enumerate(acts) if a.kind == "W")
+        assert acts[first_w - 1] == Action("I", min(s, window - 1))
+        assert [a for a in acts if a.kind == "U"] == [Action("U", 0), Action("U", 1)]
+    grid = simulate(plans, [1] * stages)
+    assert sum(1 for row in grid for a in row if a is not None) == sum(len(p[0]) for p in plans)
+
+
+def test_a_schedule_that_cannot_run_is_refused_with_what_runs():
+    with pytest.raises(ValueError, match="several stages per rank.*runs 1f1b, gpipe, zb_h1"):
+        PipelineConfig(mode="flush", schedule="interleaved_1f1b")
+    with pytest.raises(ValueError, match="mode 'stash' runs PipeDream's asynchronous 1F1B"):
+        PipelineConfig(mode="stash", schedule="zb_h1")
+    with pytest.raises(ValueError, match="'nope' is unknown"):
+        PipelineConfig(mode="flush", schedule="nope")
+    with pytest.raises(PlanError, match=r"straight pipeline; the plan replicates stages \[0\]"):
+        Flush(4, "zb_h1").check(SimpleNamespace(replicas=(2, 1)))  # type: ignore[arg-type]
+    assert PipelineConfig(mode="flush", schedule="gpipe").schedule == "gpipe"
+
+
+def test_a_weight_gradient_before_its_input_gradient_deadlocks_in_the_simulator():
+    bad = [[[Action("F", 0), Action("W", 0), Action("I", 0), Action("U", 0)]]]
+    with pytest.raises(ScheduleError, match="W0"):
+        simulate(bad, [1])
