@@ -3,19 +3,24 @@
 Usage::
 
     pipedream-partition PROFILE --workers N [--workers N ...] --bandwidth B [--bandwidth B ...]
-                        [--straight] [--memory BYTES] -o plan.json
+                        [--straight] [--memory BYTES] [--schedule NAME|auto [--microbatches M]] -o plan.json
     pipedream-partition PROFILE --machine probe.json [--workers N ...] [--straight] [--memory BYTES] -o plan.json
 
 Repeated ``--workers``/``--bandwidth`` give the levels of the machine innermost first (like PipeDream's
 ``-n``/``-b``). ``--machine`` plans under the costs ``pipedream-probe`` measured (its levels give the
 bandwidths and, unless ``--workers`` is given, the workers); the measured costs and the formulas are printed
-with the plan, and the plan records them. Errors print one line ``pipedream-partition: error: ...`` and exit with status 2; the output
+with the plan, and the plan records them. ``--schedule`` ranks the schedules the runtime runs for the plan by
+their simulated time per minibatch with ``M`` minibatches per step (default ``2 x`` stages) and the memory each
+holds (:mod:`partitioner.schedule_choice`); ``auto`` picks the fastest synchronous one that fits ``--memory``. The
+plan records the choice and the ranking under ``settings["schedule"]``. Errors print one line
+``pipedream-partition: error: ...`` and exit with status 2; the output
 file is then left untouched.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -25,6 +30,7 @@ from profiler.profile import ProfileError, load_profile
 from .optimizer import partition
 from .machine import load_machine
 from .plan import Plan, PlanError
+from .schedule_choice import RUNNABLE, choose, format_ranking, rank_schedules
 
 __all__ = ["main", "format_plan", "layer_ranges", "FORMULAS"]
 
@@ -39,6 +45,8 @@ PROG = "pipedream-partition"
 _WORKERS = number("workers", integer=True, low=1)
 _BANDWIDTH = number("bandwidth", low=0, unit=" of bytes/s")
 _MEMORY = number("memory", low=0, unit=" of bytes")
+_MICROBATCHES = number("microbatches", integer=True, low=1)
+_FRACTION = number("weight-fraction", low=0, high=1)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,6 +59,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--machine", metavar="PROBE_JSON", help="machine profile written by pipedream-probe")
     ap.add_argument("--straight", action="store_true", help="no replication: one worker per stage")
     ap.add_argument("--memory", type=_MEMORY, default=None, help="memory per worker in bytes")
+    ap.add_argument("--schedule", metavar="NAME|auto", default=None,
+                    help=f"rank the schedules for the plan and pick NAME ({', '.join(RUNNABLE)}) or, with auto, the "
+                         "fastest synchronous one that fits --memory")
+    ap.add_argument("--microbatches", type=_MICROBATCHES, default=None,
+                    help="minibatches per optimizer step for --schedule (flush_every; default 2 x stages)")
+    ap.add_argument("--weight-fraction", type=_FRACTION, default=0.5,
+                    help="share of a backward that is the weight gradient, for the split schedules (default 0.5)")
     ap.add_argument("-o", "--output", required=True, help="where to write the plan JSON")
     return ap
 
@@ -105,6 +120,9 @@ def _run(argv: list[str] | None) -> int:
         profile = load_profile(args.profile)
         plan = partition(profile, args.workers, None if machine else args.bandwidth, straight=args.straight,
                          memory_bytes=args.memory, machine=machine)
+        ranking = None
+        if args.schedule is not None:
+            plan, ranking = _with_schedule(plan, profile, args)
     except (ProfileError, PlanError) as exc:
         raise CliError(str(exc)) from None
     write_atomic(out, plan.dumps())
@@ -112,8 +130,36 @@ def _run(argv: list[str] | None) -> int:
         print(machine.describe())
         print(FORMULAS)
     print(format_plan(plan))
+    if ranking is not None:
+        print(ranking)
     print(f"plan written to {out}")
     return 0
+
+
+def _with_schedule(plan: Plan, profile: object, args: argparse.Namespace) -> tuple[Plan, str]:
+    """The plan with its schedule chosen (``settings["schedule"]``), and the ranking's table."""
+    if args.schedule != "auto" and args.schedule not in RUNNABLE:
+        raise PlanError(f"--schedule must be auto or one of {', '.join(RUNNABLE)}, got {args.schedule!r}")
+    m = args.microbatches or 2 * plan.num_stages
+    ranking = rank_schedules(plan, profile, m, weight_fraction=args.weight_fraction,  # type: ignore[arg-type]
+                             memory_bytes=args.memory)
+    if args.schedule == "auto":
+        chosen = choose(ranking)
+    else:
+        chosen = next(r for r in ranking if r.name == args.schedule)
+        if not chosen.fits:
+            raise PlanError(f"schedule {chosen.name} needs {chosen.peak_memory_bytes:.4g} bytes per worker, over "
+                            f"--memory {args.memory:.4g}")
+    record = {"name": chosen.name, "microbatches": m, "weight_fraction": args.weight_fraction,
+              "ranking": [{"name": r.name, "time_per_minibatch_s": r.time_per_minibatch_s, "bubble": r.bubble,
+                           "peak_memory_bytes": r.peak_memory_bytes, "fits": r.fits} for r in ranking]}
+    if chosen.name == "pipedream":
+        how = "PipelineConfig(mode='stash')  (asynchronous: PipeDream's weight stashing)"
+    else:
+        how = f"PipelineConfig(mode='flush', schedule='{chosen.name}', flush_every={m})"
+    table = (f"schedules for {m} minibatches per step (simulated with the profile's costs):\n"
+             f"{format_ranking(ranking, chosen.name)}\ntrain with {how}")
+    return dataclasses.replace(plan, settings={**plan.settings, "schedule": record}), table
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,129 @@
+"""Which pipeline schedule runs a plan fastest: every schedule the runtime runs, simulated with the profile's costs.
+
+For a plan of ``S`` stages and ``m`` minibatches per optimizer step (``flush_every``), each schedule is run on
+paper (:func:`pipedream_ft.schedules.simulate`) with each stage's costs summed from the profile's layers: ``F``
+the forward times, and the backward times split into ``I`` (input gradient) and ``W`` (weight gradient) by
+``weight_fraction`` (the profile measures whole backwards; a matrix product's two gradients cost about the same,
+hence 0.5). The predicted time per minibatch is the simulated step divided by ``m``; PipeDream's asynchronous
+1F1B (modes ``stash``/``vertical``, which never flush) is its steady state, the slowest stage's ``F + B``.
+
+**Memory per worker** is counted as each schedule really holds it: the weights (``P``) plus the activations of
+the most minibatches a stage holds at once (:func:`pipedream_ft.schedules.peak_in_flight`: from ``F`` to the
+end of its backward — ``W`` for a split one, so ZB-H1 holds what 1F1B holds, GPipe all ``m``) times the stage's
+activation bytes per minibatch (``A``); PipeDream's asynchronous 1F1B also stashes a weight version per
+minibatch in flight: ``(S - s) (P + A)``, the partitioner's own model. A schedule that does not fit
+``memory_bytes`` on some stage is ranked but not chosen.
+
+Only straight plans (one worker per stage) run GPipe and ZB-H1; a replicated plan runs 1F1B (synchronous) or
+PipeDream's asynchronous 1F1B, and only those are ranked for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from profiler.profile import Profile
+
+from .plan import Plan, PlanError
+
+__all__ = ["Ranked", "rank_schedules", "choose", "format_ranking", "RUNNABLE"]
+
+RUNNABLE = ("1f1b", "gpipe", "zb_h1", "pipedream")
+"""The schedules the runtime runs one stage per rank: ``flush`` mode's three and the asynchronous modes'."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    """One schedule's prediction for a plan."""
+
+    name: str
+    time_per_minibatch_s: float
+    bubble: float
+    """Fraction of the ranks' time idle in a step (0 for the asynchronous steady state)."""
+    memory_bytes: tuple[float, ...]
+    """Per stage: bytes one worker needs."""
+    fits: bool
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max(self.memory_bytes)
+
+
+def _stage_costs(plan: Plan, profile: Profile) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per stage, in seconds and bytes: forward, backward, parameters, activations per minibatch."""
+    if len(profile.layers) != plan.num_layers:
+        raise PlanError(f"the profile has {len(profile.layers)} layers, the plan {plan.num_layers}: not its profile")
+    f, b, p, a = [], [], [], []
+    for st in plan.stages:
+        layers = [profile.layers[i] for i in st.layers]
+        f.append(sum(x.forward_ms for x in layers) / 1e3)
+        b.append(sum(x.backward_ms for x in layers) / 1e3)
+        p.append(sum(x.parameter_bytes for x in layers))
+        a.append(sum(x.activation_bytes for x in layers))
+    return f, b, p, a
+
+
+def rank_schedules(plan: Plan, profile: Profile, microbatches: int, *, weight_fraction: float = 0.5,
+                   memory_bytes: float | None = None, names: Sequence[str] | None = None) -> list[Ranked]:
+    """The schedules the plan can run (or ``names``), fastest first (see the module docstring)."""
+    from pipedream_ft.schedules import Costs, build, peak_in_flight, simulate
+
+    if microbatches < 1:
+        raise PlanError(f"microbatches must be >= 1, got {microbatches}")
+    if not 0.0 <= weight_fraction <= 1.0:
+        raise PlanError(f"weight_fraction must be in [0, 1], got {weight_fraction}")
+    straight = all(s.replicas == 1 for s in plan.stages)
+    runnable = RUNNABLE if straight else ("1f1b", "pipedream")
+    names = tuple(names) if names is not None else runnable
+    for name in names:
+        if name not in runnable:
+            why = "" if name in RUNNABLE else f" (the runtime runs {', '.join(RUNNABLE)})"
+            raise PlanError(f"schedule {name!r} cannot run this plan{why}" +
+                            ("; a plan with replicated stages runs 1f1b or pipedream" if name in RUNNABLE else ""))
+    f, b, p, a = _stage_costs(plan, profile)
+    stages = plan.num_stages
+    costs = Costs(forward=f, input_backward=[x * (1 - weight_fraction) for x in b],
+                  weight_backward=[x * weight_fraction for x in b])
+    out = []
+    for name in names:
+        if name == "pipedream":  # asynchronous: no flush, the slowest stage sets the pace
+            per = max((fs + bs) / s.replicas for fs, bs, s in zip(f, b, plan.stages))
+            memory = tuple((stages - s) * (p[s] + a[s]) for s in range(stages))
+            out.append(Ranked(name, per, 0.0, memory, memory_bytes is None or max(memory) <= memory_bytes))
+            continue
+        schedule = build(name, stages, microbatches).schedule
+        timeline = simulate(schedule, costs)
+        peak = peak_in_flight(schedule)
+        memory = tuple(p[s] + peak.get(s, 0) * a[s] for s in range(stages))
+        out.append(Ranked(name, timeline.step_time / microbatches, timeline.bubble_fraction, memory,
+                          memory_bytes is None or max(memory) <= memory_bytes))
+    return sorted(out, key=lambda r: (not r.fits, r.time_per_minibatch_s))
+
+
+def choose(ranking: Sequence[Ranked], *, synchronous: bool = True) -> Ranked:
+    """The fastest schedule that fits; PlanError naming the least memory needed if none does. ``synchronous``:
+    among the synchronous schedules only (``flush`` mode: minibatch SGD, whatever the schedule), leaving out
+    PipeDream's asynchronous 1F1B, which trains with stale weights and so learns otherwise."""
+    ranking = [r for r in ranking if not (synchronous and r.name == "pipedream")]
+    if not ranking:
+        raise PlanError("no schedule to choose from")
+    fitting = [r for r in ranking if r.fits]
+    if not fitting:
+        least = min(ranking, key=lambda r: r.peak_memory_bytes)
+        raise PlanError(f"no schedule fits the memory limit: the least needs {least.peak_memory_bytes:.4g} bytes "
+                        f"per worker ({least.name})")
+    return min(fitting, key=lambda r: r.time_per_minibatch_s)
+
+
+def format_ranking(ranking: Sequence[Ranked], chosen: str | None = None) -> str:
+    """A table of the ranking, the chosen schedule marked."""
+    rows = [("schedule", "ms/minibatch", "bubble", "peak memory", "")]
+    for r in ranking:
+        mark = "chosen" if r.name == chosen else ("" if r.fits else "does not fit")
+        name = r.name + (" (async)" if r.name == "pipedream" else "")
+        rows.append((name, f"{r.time_per_minibatch_s * 1e3:.3f}", f"{r.bubble:.1%}",
+                     f"{r.peak_memory_bytes:.4g}", mark))
+    widths = [max(len(row[c]) for row in rows) for c in range(5)]
+    return "\n".join("  ".join(v.ljust(w) if c in (0, 4) else v.rjust(w) for c, (v, w) in enumerate(zip(row, widths)))
+                     .rstrip() for row in rows)

@@ -1,0 +1,96 @@
+"""Ranking the schedules the runtime runs for a plan (partitioner/schedule_choice.py, ``--schedule``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from partitioner import partition
+from partitioner.cli import main
+from partitioner.plan import PlanError
+from partitioner.schedule_choice import choose, rank_schedules
+from profiler.profile import Layer, Profile
+
+pytestmark = pytest.mark.timeout(60)
+
+P, A = 1e6, 1e5  # parameter and activation bytes of each layer
+
+
+def _profile(layers: int = 8, forward: float = 1.0, backward: float = 2.0) -> Profile:
+    return Profile(tuple(Layer(str(i), "Linear", forward, backward, A, P) for i in range(layers)),
+                   tuple((i, i + 1) for i in range(layers - 1)))
+
+
+def _by_name(ranking):
+    return {r.name: r for r in ranking}
+
+
+def test_balanced_stages_rank_as_the_textbook_formulas_say():
+    profile = _profile()
+    plan = partition(profile, 4, 1e12, straight=True)
+    assert [len(s.layers) for s in plan.stages] == [2, 2, 2, 2]
+    m, S, F, B = 8, 4, 2.0, 4.0  # per stage: 2 layers of 1 ms forward, 2 ms backward
+    got = _by_name(rank_schedules(plan, profile, m))
+    assert got["1f1b"].time_per_minibatch_s == pytest.approx((m + S - 1) * (F + B) / m / 1e3)
+    assert got["gpipe"].time_per_minibatch_s == pytest.approx((m + S - 1) * (F + B) / m / 1e3)
+    # ZB-H1: the bubble shrinks to (S - 1)(F + I - W), I = W = B / 2
+    assert got["zb_h1"].time_per_minibatch_s == pytest.approx((m * (F + B) + (S - 1) * F) / m / 1e3)
+    assert got["pipedream"].time_per_minibatch_s == pytest.approx((F + B) / 1e3)
+    assert got["1f1b"].bubble == pytest.approx((S - 1) / (m + S - 1))
+    # memory as each holds it: GPipe every minibatch of the step, 1F1B S - s, PipeDream a stash per minibatch too
+    assert got["gpipe"].memory_bytes == pytest.approx([2 * P + m * 2 * A] * S)
+    assert got["1f1b"].memory_bytes == pytest.approx([2 * P + (S - s) * 2 * A for s in range(S)])
+    assert got["pipedream"].memory_bytes == pytest.approx([(S - s) * 2 * (P + A) for s in range(S)])
+    # ZB-H1: a stage's deferred W keep their activations, S minibatches on every stage: 1F1B's peak
+    assert got["zb_h1"].memory_bytes == pytest.approx([2 * P + S * 2 * A] * S)
+    ranking = rank_schedules(plan, profile, m)
+    assert choose(ranking).name == "zb_h1"  # synchronous only, by default
+    assert choose(ranking, synchronous=False).name == "pipedream"
+
+
+def test_a_memory_limit_rules_schedules_out_and_none_fitting_names_the_least_needed():
+    profile = _profile()
+    plan = partition(profile, 4, 1e12, straight=True)
+    free = _by_name(rank_schedules(plan, profile, 8))
+    limit = free["1f1b"].peak_memory_bytes  # 1F1B and ZB-H1 fit exactly; GPipe and PipeDream's stash hold more
+    ranking = rank_schedules(plan, profile, 8, memory_bytes=limit)
+    fits = {r.name: r.fits for r in ranking}
+    assert fits == {"1f1b": True, "zb_h1": True, "gpipe": False, "pipedream": False}
+    assert choose(ranking).name == "zb_h1"
+    assert choose(ranking, synchronous=False).name == "zb_h1"
+    assert [r.name for r in ranking][-2:] in (["gpipe", "pipedream"], ["pipedream", "gpipe"])  # misfits last
+    with pytest.raises(PlanError, match=r"no schedule fits the memory limit: the least needs 2\.8e\+06 bytes per "
+                                        r"worker \((zb_h1|1f1b)\)"):
+        choose(rank_schedules(plan, profile, 8, memory_bytes=1e5))
+
+
+def test_a_replicated_plan_ranks_what_it_can_run_and_refuses_the_rest():
+    profile = _profile(2, forward=1.0, backward=1.0)
+    plan = partition(profile, 4, 1e12)  # 2 layers on 4 workers: replicated
+    assert any(s.replicas > 1 for s in plan.stages), plan
+    assert {r.name for r in rank_schedules(plan, profile, 8)} == {"1f1b", "pipedream"}
+    with pytest.raises(PlanError, match="'gpipe' cannot run this plan; a plan with replicated stages runs 1f1b"):
+        rank_schedules(plan, profile, 8, names=["gpipe"])
+    with pytest.raises(PlanError, match="the runtime runs 1f1b, gpipe, zb_h1, pipedream"):
+        rank_schedules(plan, profile, 8, names=["zbv"])
+
+
+def test_the_command_line_records_the_choice_and_says_how_to_train_with_it(tmp_path: Path, capsys):
+    prof, out = tmp_path / "prof.json", tmp_path / "plan.json"
+    _profile().save(prof)
+    assert main([str(prof), "-n", "4", "-b", "1e12", "--straight", "--schedule", "auto", "--microbatches", "8",
+                 "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "train with PipelineConfig(mode='flush', schedule='zb_h1', flush_every=8)" in text
+    assert "pipedream (async)" in text
+    record = json.loads(out.read_text())["settings"]["schedule"]
+    assert record["name"] == "zb_h1" and record["microbatches"] == 8
+    assert [r["name"] for r in record["ranking"]] == ["pipedream", "zb_h1", "1f1b", "gpipe"]
+    assert main([str(prof), "-n", "4", "-b", "1e12", "--straight", "--schedule", "looped_bfs", "-o",
+                 str(tmp_path / "x.json")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err == ["pipedream-partition: error: --schedule must be auto or one of 1f1b, gpipe, zb_h1, pipedream, "
+                   "got 'looped_bfs'"]
+    assert not (tmp_path / "x.json").exists()
