@@ -53,6 +53,8 @@ def main() -> None:
                     help="a replacement process (in-place recovery) runs another plan (a bad-input test)")
     ap.add_argument("--source-ends", type=int, default=None,
                     help="feed a stateful iterable without len() that ends after this many minibatches")
+    ap.add_argument("--mode", default="stash", help="training mode (flush: windows of 4 minibatches)")
+    ap.add_argument("--schedule", default="1f1b", help="flush mode's schedule")
     ap.add_argument("--linger", default=None,
                     help="before closing the trainer, wait until this file exists (keeps the job alive)")
     args = ap.parse_args()
@@ -77,7 +79,8 @@ def main() -> None:
     t_start = time.time()
     trainer = PipelineTrainer(
         model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=adam,
-        config=PipelineConfig(timeout_s=args.timeout, watchdog_s=args.timeout + 5),
+        config=PipelineConfig(timeout_s=args.timeout, watchdog_s=args.timeout + 5, mode=args.mode, flush_every=4,
+                              schedule=args.schedule),
         checkpoint=CheckpointConfig(url=args.ckpt, storage_options=options, policy=EveryNSteps(args.every),
                                     memory_policy=EveryNSteps(args.memory_every) if args.memory_every else None,
                                     commit_timeout_s=60),

@@ -142,6 +142,19 @@ def test_in_place_recovery(case, reference, tmp_path):
         assert cuts[-1] >= failed_at - (2 * MEMORY_EVERY + DEPTH), (cuts, log[-4000:])
 
 
+def test_a_zero_bubble_pipeline_recovers_in_place_bitwise(tmp_path):
+    """Flush mode under ZB-H1 (split backwards, deferred weight gradients): a rank killed mid-window is replaced,
+    the group rolls back to the last window boundary and the result is the uninterrupted ZB-H1 run's, bitwise."""
+    zb = ("--mode", "flush", "--schedule", "zb_h1")
+    (tmp_path / "straight").mkdir()
+    summary(*torchrun(tmp_path / "straight", "", *zb))
+    want = torch.load(tmp_path / "straight" / "final.pt")
+    info = summary(*torchrun(tmp_path, "kill@rank=1,step=22", *zb))
+    assert info["log"].count("starting replacement") == 1 and "recovering in place" in info["log"], info["log"][-4000:]
+    assert info["attempt"] == 0
+    assert_bitwise(tmp_path / "final.pt", want)
+
+
 def test_sigterm_commits_an_emergency_checkpoint_and_every_process_is_replaced_in_place(reference, tmp_path):
     info = summary(*torchrun(tmp_path, "term@rank=1,step=19"))
     log = info["log"]
