@@ -61,8 +61,10 @@ from examples.text_data import TextData, decode  # noqa: E402
 from examples.train_digits import round_steps  # noqa: E402
 from partitioner.plan import Plan, load_plan  # noqa: E402
 import pipedream_ft  # noqa: E402
-from pipedream_ft import CheckpointConfig, PipelineConfig, PipelineTrainer  # noqa: E402
-from pipedream_ft.pipeline.modes import MODES  # noqa: E402
+from pipedream_ft import CheckpointConfig, PipelineConfig, PipelineSetupError, PipelineTrainer  # noqa: E402
+from pipedream_ft.pipeline.modes import MODES, Mode, make_mode  # noqa: E402
+from pipedream_ft.pipeline.schedule import SYNCHRONOUS  # noqa: E402
+from pipedream_ft.pipeline.topology import Topology  # noqa: E402
 from pipedream_ft.policies import EveryNSteps  # noqa: E402
 
 __all__ = ["lm_loss", "make_optimizer", "lr_factor", "weight_delay", "default_lr", "held_out_loss", "generate", "train_single_process",
@@ -118,9 +120,11 @@ def _scheduler_factory(args: argparse.Namespace, unit: int, total: int) -> Calla
 
 def weight_delay(plan: Plan, mode: str) -> int:
     """Most updates a gradient is late by: stage 0's weight-stashing depth (``S - 1`` on a straight pipeline;
-    vertical sync delays every stage that much); 0 in ``flush`` mode."""
+    vertical sync delays every stage that much); 1 in ``2bw`` mode; 0 in ``flush`` mode."""
     if mode == "flush":
         return 0
+    if mode == "2bw":
+        return 1
     replicas = [s.replicas for s in plan.stages]
     return -(-sum(replicas) // replicas[0]) - 1
 
@@ -130,11 +134,18 @@ def default_lr(optimizer: str, delay: int) -> float:
     return DEFAULT_LR[optimizer] / (1 + delay)
 
 
-def _update_unit(plan: Plan, mode: str, flush_every: int, rank: int) -> int:
+def _mode_of(args: argparse.Namespace, plan: Plan, rank: int) -> tuple[Mode, Topology]:
+    """The library's mode for the arguments, checked against ``rank``'s place in the plan."""
+    mode = make_mode(args.mode, args.flush_every, args.update_every, args.schedule)
+    topo = Topology.of(plan, rank)
+    mode.check(topo)
+    return mode, topo
+
+
+def _update_unit(args: argparse.Namespace, plan: Plan, rank: int) -> int:
     """Minibatches per optimizer step of ``rank``'s stage (the LR schedule counts minibatches)."""
-    if mode == "flush":
-        return flush_every
-    return next(s.replicas for s in plan.stages if rank in s.ranks)
+    mode, topo = _mode_of(args, plan, rank)
+    return mode.update_unit(topo)
 
 
 @torch.no_grad()
@@ -212,6 +223,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "asynchronous modes)")
     p.add_argument("--mode", choices=MODES, default="stash", help="weight stashing, vertical sync or flushing")
     p.add_argument("--flush-every", type=int, default=4, help="minibatches per optimizer step with --mode flush")
+    p.add_argument("--schedule", choices=SYNCHRONOUS, default="1f1b",
+                   help="the schedule inside a window with --mode flush (zb_h1: zero bubble; default 1f1b)")
+    p.add_argument("--update-every", type=int, default=None,
+                   help="minibatches per optimizer step with --mode 2bw (default: the number of stages)")
     p.add_argument("--seed", type=int, default=0, help="seeds the initial weights, the split and the windows")
     p.add_argument("--ckpt", metavar="URL", help="checkpoint to this fsspec URL (a directory, s3://bucket/prefix, "
                    "...) and resume from its newest committed checkpoint")
@@ -289,18 +304,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     plan = load_plan(args.plan)
     steps = round_steps(args.steps, plan, args.mode, args.flush_every)
+    rank = int(os.environ.get("RANK", "0"))
+    mode, topo = _mode_of(args, plan, rank)
+    steps -= steps % mode.window(topo)  # 2bw: whole windows of --update-every
+    if steps <= 0:
+        raise PipelineSetupError(f"--steps {args.steps} is less than one window of mode {mode!r} "
+                                 f"({mode.window(topo)} minibatches)")
     delay = weight_delay(plan, args.mode)
     if args.lr is None:
         args.lr = default_lr(args.optimizer, delay)
-    rank = int(os.environ.get("RANK", "0"))
     trainer = PipelineTrainer(
         lambda: _model(args),
         plan,
         loss_fn=lm_loss,
         optimizer_factory=make_optimizer(args.optimizer, args.lr, args.weight_decay),
-        scheduler_factory=_scheduler_factory(args, _update_unit(plan, args.mode, args.flush_every, rank), steps),
+        scheduler_factory=_scheduler_factory(args, _update_unit(args, plan, rank), steps),
         config=PipelineConfig(mode=args.mode, flush_every=args.flush_every, timeout_s=args.timeout, seed=args.seed,
-                              clip_grad_norm=args.clip),
+                              clip_grad_norm=args.clip, schedule=args.schedule, update_every=args.update_every),
         checkpoint=CheckpointConfig(url=args.ckpt, policy=EveryNSteps(args.ckpt_every)) if args.ckpt else None,
     )
     if trainer.env.rank == 0:

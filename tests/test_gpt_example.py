@@ -95,9 +95,23 @@ def test_lr_schedule_and_the_default_lr_follow_the_weight_delay() -> None:
     straight = Plan.from_stages([[0], [1], [2], [3]], [1, 1, 1, 1], profile_hash="x", layer_names=list("abcd"))
     assert weight_delay(straight, "stash") == weight_delay(straight, "vertical") == 3
     assert weight_delay(straight, "flush") == 0
+    assert weight_delay(straight, "2bw") == 1
     assert weight_delay(Plan.from_stages([[0, 1], [2, 3]], [3, 1], profile_hash="x", layer_names=list("abcd")),
                         "stash") == 1
     assert default_lr("adamw", 3) == pytest.approx(2.5e-4) and default_lr("adamw", 0) == 1e-3
+
+
+def test_the_lr_schedule_counts_each_mode_s_minibatches_per_update() -> None:
+    """The LR schedule steps once per update: 2bw updates once per --update-every minibatches (default: one per
+    stage), flush once per --flush-every, the asynchronous modes once per round of a stage's replicas."""
+    from examples.train_gpt import _update_unit
+
+    straight = Plan.from_stages([[0], [1], [2], [3]], [1, 1, 1, 1], profile_hash="x", layer_names=list("abcd"))
+    unit = {extra: _update_unit(parse_args(["--plan", "p.json", *extra.split()]), straight, 1)
+            for extra in ("--mode stash", "--mode 2bw", "--mode 2bw --update-every 8", "--mode flush --flush-every 6",
+                          "--mode flush --schedule zb_h1")}
+    assert unit == {"--mode stash": 1, "--mode 2bw": 4, "--mode 2bw --update-every 8": 8,
+                    "--mode flush --flush-every 6": 6, "--mode flush --schedule zb_h1": 4}
 
 
 def test_held_out_loss_and_sampling_of_a_fresh_model() -> None:
