@@ -22,6 +22,7 @@ from .pipeline.comm import PeerTimeoutError, ShapeMismatchError
 from .pipeline.evaluate import EvalResult
 from .pipeline.hooks import Hooks
 from .pipeline.precision import LossScale
+from .pipeline.compensation import Compensation
 from .pipeline.sources import Epochs
 from .policies import (AllOf, AnyOf, CheckpointPolicy, EveryNSteps, EveryTSeconds, Never, OverheadBudget,
                        PreemptionHandler, YoungDaly)
@@ -32,6 +33,7 @@ __all__ = [
     "AnyOf",
     "CheckpointConfig",
     "CheckpointPolicy",
+    "Compensation",
     "DistEnv",
     "Epochs",
     "EvalResult",
