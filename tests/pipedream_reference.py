@@ -12,7 +12,11 @@ gradient to the latest weights.
 Both take a delay ``compensation``: each stage's update u of delay d (``S - 1 - s`` for stashing, ``S - 1`` for
 vertical sync, 1 for 2BW) runs with the learning rate times ``1 / (1 + d)`` (or ``(1 + d) ** -(1 - min(u / K, 1))``
 with a warm-up of K updates), and with weight prediction the version it publishes is ``w + (w - w_before) * d``
-(the weights read by forwards and backwards), the update itself applying to the real weights ``w``.
+(the weights read by forwards and backwards), the update itself applying to the real weights ``w``; with
+look-ahead it is ``w + (w - w_before) * (beta + ... + beta**d)``, ``beta`` the momentum of the parameter's optimizer
+group (``betas[0]`` or ``momentum``); with error feedback ``lam``, each gradient of update u, taken on the version
+``w_stale`` its minibatches read, is replaced by ``g + lam * g * g * (w - w_stale)`` (``w`` the weights it is
+applied to) before the step.
 
 ``minibatch_sgd_reference``: plain synchronous SGD of the whole model over windows of K minibatches.
 """
@@ -136,6 +140,8 @@ def _train_segment(
     S = len(stages)
     delays = delays or [0] * S
     predict = compensation is not None and compensation.predict
+    lookahead = compensation is not None and getattr(compensation, "lookahead", False)
+    lam = float(getattr(compensation, "error_feedback", 0.0)) if compensation is not None else 0.0
     own, tied = _split_tied(stages)
     tied_ids = {id(p) for p, _ in tied}
     names = [[n for n, p in st.named_parameters() if id(p) not in tied_ids] for st in stages]
@@ -189,6 +195,11 @@ def _train_segment(
             for i, p in enumerate(own[s]):
                 p.grad, acc[s][i] = acc[s][i], None
             before = [p.detach().clone() for p in own[s]]
+            if lam and delays[s]:  # error feedback: towards the weights the gradient is applied to
+                stale = versions[s][version(b, s)]
+                for p, w in zip(own[s], stale):
+                    if p.grad is not None:
+                        p.grad = p.grad + lam * p.grad * p.grad * (p.detach() - w)
             if opts[s] is not None:
                 factor = _lr_factor(compensation, delays[s], u)
                 if factor == 1.0:  # no delay-aware LR: any object with step() serves (a clipping wrapper, say)
@@ -203,6 +214,13 @@ def _train_segment(
                 opts[s].zero_grad(set_to_none=True)
             if predict and delays[s]:
                 versions[s][u + 1] = [p.detach() + (p.detach() - w) * delays[s] for p, w in zip(own[s], before)]
+            elif lookahead and delays[s] and opts[s] is not None:
+                reach = {}
+                for g in opts[s].param_groups:
+                    beta = g["betas"][0] if "betas" in g else g["momentum"]
+                    for q in g["params"]:
+                        reach[id(q)] = sum(beta ** k for k in range(1, delays[s] + 1))
+                versions[s][u + 1] = [p.detach() + (p.detach() - w) * reach[id(p)] for p, w in zip(own[s], before)]
             else:
                 versions[s][u + 1] = [p.detach().clone() for p in own[s]]
         for t, (p, h) in enumerate(tied):

@@ -11,8 +11,9 @@ step (or skip), step the LR scheduler.
 * **float16 loss scaling** (flush mode only; see :mod:`pipedream_ft.pipeline.precision`): gradients are
   unscaled first; the found-inf flags ride in the same all-reduce, and all stages skip the update together.
 * **Delay compensation** (``PipelineConfig(compensation=...)``, the asynchronous modes; see
-  :mod:`pipedream_ft.pipeline.compensation`): the learning rate of the step is scaled by the stage's delay, and
-  the version published after it is extrapolated along the step.
+  :mod:`pipedream_ft.pipeline.compensation`): the gradient is corrected towards the live weights (error
+  feedback, after clipping), the learning rate of the step is scaled by the stage's delay, and the version
+  published after it is extrapolated along the step (prediction, look-ahead).
 * In ``"2bw"`` mode, as in ``"flush"``, the gradient is a window's, of the whole model at one version: clipping
   takes its global norm.
 
@@ -27,7 +28,7 @@ import math
 import torch
 
 from .comm import Messenger
-from .compensation import Compensation, Compensator
+from .compensation import Compensation, Compensator, momentum_of
 from .precision import LossScaler
 from .scheduler import SchedulerComponent
 from .state import StageState
@@ -56,6 +57,10 @@ class Stepper:
         self.scheduler = scheduler
         self.compensator = Compensator(compensation, delay) if compensation is not None and compensation.active \
             else None
+        if self.compensator is not None and compensation is not None and compensation.lookahead \
+                and state.optimizer is not None:
+            for group in state.optimizer.param_groups:
+                momentum_of(group, state.optimizer)  # refuses an optimizer without momentum now, not at its step
         self.last_norm: float | None = None
         """The gradient norm of the last update (the global one in flush mode), when clipping."""
 
@@ -99,7 +104,9 @@ class Stepper:
         if comp is None:
             state.optimizer.step()
             return
-        comp.before_step(state.params, state.optimizer, state.versions.current.updates)
+        update = state.versions.current.updates
+        stale = state.versions.get(max(0, update - comp.delay)).tensors if comp.stale_version else None
+        comp.before_step(state.params, state.optimizer, update, stale)
         state.optimizer.step()
         state.versions.offset = comp.after_step(state.params, state.optimizer)
 

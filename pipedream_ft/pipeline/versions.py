@@ -9,8 +9,10 @@ it: the stash is exactly the set of versions still referenced, never more.
 With vertical sync, a stage uses the version stage 0 used for the same minibatch, so versions are also kept
 by update number until no later minibatch can ask for them.
 
-A version need not equal the live weights: with weight prediction
-(:mod:`pipedream_ft.pipeline.compensation`) the next :meth:`VersionStore.publish` adds an offset to them.
+A version need not equal the live weights: with weight prediction or look-ahead
+(:mod:`pipedream_ft.pipeline.compensation`) the next :meth:`VersionStore.publish` adds an offset to them. Error
+feedback reads the version an update's gradients were taken on (``delay`` updates old), which the stage keeps
+anyway for its in-flight forwards.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class VersionStore:
         version at the floor."""
         self.history: dict[int, Version] = {}
         self.offset: list[torch.Tensor] | None = None
-        """Added to the live weights by the next :meth:`publish` only (weight prediction), then cleared."""
+        """Added to the live weights by the next :meth:`publish` only (weight prediction, look-ahead), then cleared."""
         self.predicted = False
         """Whether the current version differs from the live weights (it was published with an offset)."""
         self.current = self._snapshot(updates)
