@@ -43,10 +43,9 @@ from profiler.profile import Profile
 from .checkpoint import Storage
 from .env import DistEnv, read_env
 from .errors import InvalidArgument, JobError, PipelineSetupError, mark_training, say
-from .checkpoint import CheckpointError
 from .ft.checkpointer import CheckpointConfig, Checkpointer, plan_hash
-from .ft.coordination import LiveGroup
-from .ft.recovery import Formed, Heartbeat, Membership, store_connection
+from .ft.inplace import InPlace
+from .ft.recovery import Membership
 from .ft.replan import Measurement, RePlanPolicy, consider, load_replanned, store_replanned
 from .ft.coordination import Coordinator
 from .ft.elastic import describe_plan, load_stored_profile, replan
@@ -60,7 +59,7 @@ from .pipeline.data import CallableFeed, DataComponent, StreamFeed, target_links
 from .pipeline.evaluate import EvalResult, MetricFn, evaluate
 from .pipeline.executor import DataFn, Executor, RankStats
 from .pipeline.export import pretrained_of, save_model, save_pretrained
-from .pipeline.group import CommGroup, GroupError
+from .pipeline.group import CommGroup
 from .pipeline.hooks import HookList, Hooks
 from .pipeline.compensation import Compensation, check_compensation
 from .pipeline.modes import MODES, Mode, make_mode
@@ -328,12 +327,13 @@ class PipelineTrainer:
             self._start_replanning(config.replan)
         self.fingerprint = hashlib.sha256(json.dumps(
             [plan_hash(plan, self.mode), plan.profile_hash, checkpoint.url if checkpoint else None]).encode()).hexdigest()
-        self.membership: Membership | None = None
-        self._heartbeat: Heartbeat | None = None
-        self._bad_cuts: set[int] = set()
-        self.recoveries: list[dict[str, Any]] = []
-        """One record per in-place recovery this process took part in: wall-clock times of the failure, the
-        group formed again, the state restored and the first update after it; the epoch and the cut."""
+        self.inplace: InPlace | None = None
+        """This rank's part in in-place recovery (see :mod:`pipedream_ft.ft.inplace`); ``None`` without it."""
+        if self.in_place:
+            self.inplace = InPlace(env, coordinator=self.coordinator, checkpointer=self.ckpt, faults=self.faults,
+                                   hooks=self.hooks, fingerprint=self.fingerprint, timeout_s=config.timeout_s,
+                                   recovery_timeout_s=config.recovery_timeout_s, hang_s=config.hang_s)
+        self._side = _PipelineSide(self)
         self.redone = 0
         self.resumed_from = self._start()
         self.timeline["restored"] = time.time()
@@ -369,34 +369,13 @@ class PipelineTrainer:
         every rank agrees on; any other process agrees on a fresh namespace with every rank of its attempt and,
         with checkpointing, resumes from the newest checkpoint they can all restore."""
         env = self.env
-        if self.in_place and env.incarnation > 0 and env.live_round:
-            self._live(env.live_round)
-            formed = self._form_and_restore()
-            log.warning("rank %d: replacement process %d joined epoch %d at cut %d", env.rank, env.incarnation,
-                        formed.epoch, formed.cut)
-            return formed.cut
+        if self.inplace is not None and env.incarnation > 0 and env.live_round:
+            return self.inplace.join(self._side, env.live_round, self.timeline).cut
         epoch = self.coordinator.new_epoch()
         self._attach(self._make_group(epoch.store))
-        if self.in_place:
-            self._live(epoch.id).start()
+        if self.inplace is not None:
+            self.inplace.enter(epoch.id).start()
         return self.ckpt.resume() if self.ckpt is not None else None
-
-    def _live(self, round_id: str) -> LiveGroup:
-        live = self.coordinator.live_group(round_id)
-        self.membership = Membership(live, rank=self.env.rank, world_size=self.env.world_size,
-                                     incarnation=self.env.incarnation, fingerprint=self.fingerprint,
-                                     timeout_s=self.config.recovery_timeout_s, on_join=lambda epoch: self.faults.at_join(self.env.restart_count + epoch))
-        # what exists now lives as long as the process: set it aside from garbage collection, so that a recovery's
-        # gc.collect() (and Python's own full collections), which hold the GIL and with it the heartbeat thread, only
-        # look at what came later (a full collection over torch's objects takes about a second)
-        gc.freeze()
-        # the heartbeat thread has a store connection of its own: a wait of the training thread's (a process group
-        # being connected) must not hold up its beats or its watch over the peers'
-        beats = LiveGroup(store_connection(self.env, self.config.recovery_timeout_s), self.env.run_id, round_id,
-                          key=self.coordinator.secret())
-        self._heartbeat = Heartbeat(beats, self.env.rank, self.env.incarnation, world_size=self.env.world_size,
-                                    hang_s=self.config.hang_s)
-        return live
 
     def _start_replanning(self, policy: RePlanPolicy) -> None:
         """Measure this stage's costs (every rank) and decide re-plans (rank 0); see :mod:`pipedream_ft.ft.replan`."""
@@ -481,75 +460,24 @@ class PipelineTrainer:
         if self.messenger is not None:
             self.messenger.flush()
 
-    def _form_and_restore(self, record: dict[str, Any] | None = None) -> Formed:
-        """Form the next epoch with every rank, restore the cut it agrees on, and build its groups. The times the
-        group was formed and the state restored go to ``record`` (default: the process's timeline)."""
-        assert self.membership is not None and self.ckpt is not None
-        ckpt = self.ckpt
-        record = self.timeline if record is None else record
-        while True:
-            record.setdefault("joining", time.time())
-            formed = self.membership.form(
-                lambda: [c for c in ckpt.restorable_cuts() if c not in self._bad_cuts], lambda: ckpt.last_saved)
-            record["formed"] = time.time()
-            part: dict[str, Any] | None = None
-            try:
-                part = ckpt.load(formed.cut)
-            except CheckpointError as exc:
-                log.warning("rank %d: cannot restore cut %d: %s", self.env.rank, formed.cut, exc)
-                self._bad_cuts.add(formed.cut)
-            if not self.membership.confirm(formed, part is not None):
-                continue
-            assert part is not None and self.membership.live is not None
-            # the groups connect through a store connection of their own: a connection given up (a peer failed
-            # meanwhile) may wait out timeout_s in the store, and must not hold up this process's other requests
-            epoch = self.coordinator.live_epoch(self.membership.live.round_id, formed.epoch,
-                                                store_connection(self.env, self.config.timeout_s))
-            assert self._heartbeat is not None
-            beats = self._heartbeat.live  # not the connection the groups are being connected through
-            self.faults.at_join(self.env.restart_count + formed.epoch, "connect")
-            try:
-                group = self._make_group(epoch.store, cancelled=lambda: beats.failures() > formed.epoch)
-            except GroupError as exc:  # a peer failed meanwhile: form the next epoch
-                log.warning("rank %d: epoch %d failed while connecting: %s", self.env.rank, formed.epoch, exc)
-                self.membership.live.report_failure(formed.epoch)
-                continue
-            self._attach(group)
-            self.state.restore(part)
-            self.faults.set_attempt(self.env.restart_count + formed.epoch)  # before restored() may write a part
-            ckpt.restored(formed.cut, durable=formed.durable)
-            return formed
-
     def _recover(self, failure: str) -> None:
-        """A peer failed: fall back to the newest cut every rank can restore and go on, in place."""
-        assert self.membership is not None and self.ckpt is not None
-        record: dict[str, Any] = {"failed": time.time(), "epoch": self.membership.epoch}
-        self.recoveries.append(record)
-        say(f"pipedream-ft: rank {self.env.rank}: {failure}; recovering in place")
-        self.hooks.on_event("failure", reason=failure, epoch=self.membership.epoch)
-        self.membership.report_failure()
-        self._release()
+        """A peer failed: recover in place (see :mod:`pipedream_ft.ft.inplace`), then count the work redone."""
+        assert self.inplace is not None
         reached = max([b for b, _ in self.executor.losses], default=self.position)
-        formed = self._form_and_restore(record)
-        record.update(epoch=formed.epoch, cut=formed.cut)
-        self.executor.rewind(formed.cut)
-        feed = self._feed
-        if isinstance(feed, StreamFeed):  # stage 0 reads the source again from the restored state
-            assert self.messenger is not None
-            feed.rewind(self.messenger)
-            if self.topo.is_first:
-                self.data_state.attach(feed, self.position)
-        record["restored"] = time.time()
-        self.redone = max(0, reached + 1 - formed.cut) if self.topo.is_last else self.redone
-        self.hooks.on_event("recovered", epoch=formed.epoch, cut=formed.cut,
-                            seconds=record["restored"] - record["failed"])
-        log.warning("rank %d: recovered in place in %.2fs: epoch %d, continuing from minibatch %d", self.env.rank,
-                    record["restored"] - record["failed"], formed.epoch, formed.cut)
-        if self.env.rank == 0:
-            replaced = sorted(r for r, rec in formed.records.items() if rec["incarnation"] > 0)
-            say(f"pipedream-ft: recovered in place in {record['restored'] - record['failed']:.2f}s "
-                f"(epoch {formed.epoch}; processes replaced so far: ranks {replaced}); continuing from "
-                f"checkpoint {formed.cut}", sys.stdout)
+        formed, _ = self.inplace.recover(self._side, failure)
+        if self.topo.is_last:
+            self.redone = max(0, reached + 1 - formed.cut)
+
+    @property
+    def membership(self) -> Membership | None:
+        """This rank's membership of the in-place recovery's epochs (``None`` without in-place recovery)."""
+        return self.inplace.membership if self.inplace is not None else None
+
+    @property
+    def recoveries(self) -> list[dict[str, Any]]:
+        """One record per in-place recovery this process took part in: wall-clock times of the failure, the
+        group formed again, the state restored and the first update after it; the epoch and the cut."""
+        return self.inplace.records if self.inplace is not None else []
 
     def _add_observers(self) -> None:
         config, env, topo = self.config, self.env, self.topo
@@ -820,8 +748,8 @@ class PipelineTrainer:
                 self.ckpt.close()  # raises if the last durable cut could not be committed
         finally:
             self.hooks.close()
-            if self._heartbeat is not None:
-                self._heartbeat.close()
+            if self.inplace is not None:
+                self.inplace.close()
             self.release()
 
     def release(self) -> None:
@@ -845,6 +773,32 @@ def release_all() -> None:
 
 
 atexit.register(release_all)
+
+
+class _PipelineSide:
+    """The trainer's side of an in-place recovery (:class:`~pipedream_ft.ft.inplace.Rebuildable`)."""
+
+    def __init__(self, trainer: PipelineTrainer) -> None:
+        self.t = trainer
+
+    def release(self) -> None:
+        self.t._release()
+
+    def rebuild(self, store: Any, cancelled: Callable[[], bool]) -> None:
+        self.t._attach(self.t._make_group(store, cancelled=cancelled))
+
+    def restore(self, part: dict[str, Any]) -> None:
+        self.t.state.restore(part)
+
+    def rewind(self, cut: int) -> None:
+        t = self.t
+        t.executor.rewind(cut)
+        feed = t._feed
+        if isinstance(feed, StreamFeed):  # stage 0 reads the source again from the restored state
+            assert t.messenger is not None
+            feed.rewind(t.messenger)
+            if t.topo.is_first:
+                t.data_state.attach(feed, t.position)
 
 
 class _Measure(Hooks):
