@@ -602,7 +602,8 @@ def plan_chain(profile: Profile, con, workers: Sequence[int], bandwidth: Sequenc
     stage_of: list[int | None] = [None] * len(profile.layers)
     for s, layers in enumerate(cs.stage_layers(sol.bounds, con.profile)):
         for i in layers:
-            stage_of[con.tensor_layers[i]] = s
+            for orig in con.members[i]:
+                stage_of[orig] = s
     stage_of_all = place_values(profile, stage_of, len(sol.replicas))
     stage_layers: list[list[int]] = [[] for _ in sol.replicas]
     for i, s in enumerate(stage_of_all):

@@ -11,7 +11,11 @@ cross a cut of the contracted profile are then exactly the tensor layers that re
 roots a later stage needs to recompute its values). Model inputs reached through value layers become
 readers of those inputs, so an input a later stage needs is counted too. Tied groups are renumbered (a
 value layer cannot hold a parameter; any listed one is dropped). The value layers' own times are not counted
-(shape arithmetic takes microseconds, and a stage recomputes only what it reads).
+(shape arithmetic takes microseconds, and a stage recomputes only what it reads). Keep-together groups lose
+their value layers.
+
+Then the layers that share one stage in every plan (the profile's keep-together groups, and each parameter read
+with its first consumer: :mod:`partitioner.together`) are merged into one layer each: no cut falls inside them.
 
 Not counted: a value layer that nothing but the model's output reads is recomputed in the last stage from
 roots the search does not route there (the profile does not say which sinks feed the output; models return
@@ -27,9 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from profiler.profile import ModelInput, Profile, TiedGroup
+from profiler.profile import KeepTogether, ModelInput, Profile, TiedGroup
 
 from .plan import PlanError
+from .together import merge_groups, together_groups
 
 __all__ = ["Contracted", "tensor_roots", "contract", "place_values"]
 
@@ -39,11 +44,14 @@ class Contracted:
     """The search's view of a profile and the way back to the original layer indices."""
 
     profile: Profile
-    """Tensor layers only (same order), edges through value layers replaced by edges from their roots."""
+    """Tensor layers only (same order), edges through value layers replaced by edges from their roots, each group
+    kept together merged into one layer (:mod:`partitioner.together`)."""
     tensor_layers: tuple[int, ...]
-    """Original index of each layer of :attr:`profile`."""
+    """Original indices of the tensor layers, ascending."""
     value_layers: tuple[int, ...]
     """Original indices of the value layers, ascending."""
+    members: tuple[tuple[int, ...], ...]
+    """Per layer of :attr:`profile`, the original layers it stands for (ascending; one unless merged)."""
 
 
 def tensor_roots(profile: Profile) -> tuple[list[frozenset[int]], list[frozenset[int]]]:
@@ -75,10 +83,24 @@ def tensor_roots(profile: Profile) -> tuple[list[frozenset[int]], list[frozenset
 
 
 def contract(profile: Profile) -> Contracted:
-    """The tensor-layer profile the antichain search runs on (see the module docstring)."""
+    """The profile the antichain search runs on: tensor layers only (see the module docstring), then the groups
+    kept on one stage merged (:func:`partitioner.together.merge_groups`)."""
+    small, kept, values = _tensor_profile(profile)
+    groups = together_groups(small)
+    if not groups:
+        return Contracted(small, kept, values, tuple((i,) for i in kept))
+    try:
+        merged, parts = merge_groups(small, groups)
+    except ValueError as exc:  # cannot happen for groups from together_groups
+        raise PlanError(f"cannot keep layers together: {exc}") from None
+    return Contracted(merged, kept, values, tuple(tuple(kept[i] for i in part) for part in parts))
+
+
+def _tensor_profile(profile: Profile) -> tuple[Profile, tuple[int, ...], tuple[int, ...]]:
+    """The tensor-layer profile, the original index of each of its layers, and the value layers."""
     values = tuple(i for i, layer in enumerate(profile.layers) if layer.kind == "value")
     if not values:
-        return Contracted(profile, tuple(range(len(profile.layers))), ())
+        return profile, tuple(range(len(profile.layers))), ()
     if len(values) == len(profile.layers):
         names = ", ".join(profile.layers[i].name for i in values[:5])
         raise PlanError(f"the profile has only value layers ({names}, ...): nothing to place in a pipeline")
@@ -100,9 +122,14 @@ def contract(profile: Profile) -> Contracted:
         if len(layers) >= 2:
             tied.append(TiedGroup(g.name, g.bytes, layers))
     model_inputs = tuple(ModelInput(x.name, x.bytes, tuple(sorted(r))) for x, r in zip(profile.inputs, readers))
+    keep = []
+    for k in profile.keep_together:  # a value layer is recomputed wherever it is read: no member to keep
+        layers = tuple(new[i] for i in k.layers if i in new)
+        if len(layers) >= 2:
+            keep.append(KeepTogether(k.name, layers))
     small = Profile(tuple(profile.layers[i] for i in kept), tuple(sorted(edges)), dict(profile.meta),
-                    tuple(tied), model_inputs)
-    return Contracted(small, kept, values)
+                    tuple(tied), model_inputs, tuple(keep))
+    return small, kept, values
 
 
 def place_values(profile: Profile, stage_of: Sequence[int | None], num_stages: int) -> list[int]:

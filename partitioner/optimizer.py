@@ -918,7 +918,8 @@ def partition(profile: Profile, workers: int | Sequence[int] | None,
     stage_of: list[int | None] = [None] * len(names)
     for s, layers in enumerate(states.stage_layers(cuts, search_profile)):
         for i in layers:
-            stage_of[con.tensor_layers[i]] = s
+            for orig in con.members[i]:
+                stage_of[orig] = s
     stage_of_all = place_values(profile, stage_of, len(cuts))
     stage_layers: list[list[int]] = [[] for _ in cuts]
     for i, s in enumerate(stage_of_all):

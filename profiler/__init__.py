@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from .graphtxt import dumps_graph_txt, parse_graph_txt
-from .profile import FORMAT, KINDS, VERSION, Layer, ModelInput, Profile, ProfileError, TiedGroup, load_profile
+from .profile import (FORMAT, KINDS, VERSION, KeepTogether, Layer, ModelInput, Profile, ProfileError, TiedGroup,
+                      load_profile)
 
 __all__ = [
     "FORMAT",
@@ -18,6 +19,7 @@ __all__ = [
     "Layer",
     "TiedGroup",
     "ModelInput",
+    "KeepTogether",
     "Profile",
     "ProfileError",
     "load_profile",

@@ -228,6 +228,10 @@ def _run(argv: list[str] | None) -> int:
             progress=True,
             meta={"model": name},
         )
+        if not profile.keep_together:  # the model's pipeline_keep_together groups
+            from .together import with_keep_together
+
+            profile = with_keep_together(profile, model)
     except Exception as exc:
         raise CliError(f"profiling {name} failed: {type(exc).__name__}: {exc}") from None
     _write(profile, output)
@@ -257,7 +261,7 @@ def _example(torch: Any, args: argparse.Namespace, shape: tuple[int, ...], kind:
 
 
 def _notes(profile: Any, output: Path) -> list[str]:
-    """Value layers and tied parameters, and a warning when graph.txt cannot record them."""
+    """Value layers, tied parameters and groups kept together, and a warning when graph.txt cannot record them."""
     values = sum(l.kind == "value" for l in profile.layers)
     lines = []
     if values:
@@ -265,8 +269,11 @@ def _notes(profile: Any, output: Path) -> list[str]:
     for g in profile.tied:
         users = ", ".join(profile.layers[i].name for i in g.layers)
         lines.append(f"tied parameter {g.name} ({_size(g.bytes)}) shared by layers {users}")
-    if output.suffix != ".json" and (values or profile.tied):
-        lines.append("note: graph.txt cannot record layer kinds or tied parameters; write .json to keep them")
+    for k in profile.keep_together:
+        lines.append(f"kept on one stage ({k.name}): {', '.join(profile.layers[i].name for i in k.layers)}")
+    if output.suffix != ".json" and (values or profile.tied or profile.keep_together):
+        lines.append("note: graph.txt cannot record layer kinds, tied parameters or groups kept together; write "
+                     ".json to keep them")
     return lines
 
 

@@ -14,8 +14,9 @@ untied heads (:mod:`profiler.hf_families` says where each family keeps its parts
   training the wrapper trains the HF model.
 * **Same logits.** ``wrapper(input_ids)`` equals ``model(input_ids).logits`` (float32, no key/value cache).
 * **One layer per decoder layer.** The decoder layers, the token embedding and the final norm are fx leaves
-  (``pipeline_leaf_modules``, see :mod:`profiler.layers`): the partitioner cuts between decoder layers, the
-  final norm stays whole with the head and its weight with it.
+  (``pipeline_leaf_modules``, see :mod:`profiler.layers`): the partitioner cuts between decoder layers and the
+  final norm stays whole, its weight with it. The final norm, the head and the soft-capping after it form one
+  ``pipeline_keep_together`` group (:mod:`profiler.together`): every plan puts them on one stage.
 * **Positions and masks computed where they are used.** A decoder layer receives only the hidden states and
   the model's own inputs (``attention_mask``, ``position_ids``: small tensors that cross stages as any input).
   A forward pre-hook on each decoder layer computes, inside the layer, what the HF model would have handed it:
@@ -38,6 +39,7 @@ from torch import nn
 
 from .hf_families import FAMILIES, Family, family_of
 from .layers import fetch_attr
+from .together import OUTPUT
 
 __all__ = ["CausalLMForPipeline", "GPT2ForPipeline", "IGNORE_INDEX", "INPUTS", "causal_lm_loss", "for_pipeline",
            "gpt2_for_pipeline"]
@@ -113,6 +115,9 @@ class CausalLMForPipeline(nn.Module):
                 leaves.append(type(fetch_attr(self, part)))
         self.pipeline_leaf_modules: tuple[type, ...] = tuple(dict.fromkeys(leaves))
         self.pipeline_softcap: float | None = getattr(model.config, "final_logit_softcapping", None)
+        tail = [p for p in (family.norm, family.project_out, family.head) if self._part(p) is not None]
+        self.pipeline_keep_together: tuple[tuple[str, ...], ...] = ((*tail, OUTPUT),)
+        """The final norm, the head and what follows them (soft-capping) share one stage (:mod:`profiler.together`)."""
         rotary = fetch_attr(self, family.rotary) if family.rotary else None
         for i, layer in enumerate(layers):
             if not getattr(layer, "_pipeline_inputs_hooked", False):

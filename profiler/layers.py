@@ -15,6 +15,9 @@ from :func:`layer_graph` (the profile, and the runtime's stages, which use its `
 ``call_module`` layers, a module called twice, or a ``get_attr`` of a parameter another layer also uses, e.g.
 GPT-2's ``lm_head.weight is wte.weight``) forms a :class:`~profiler.profile.TiedGroup`; its name is the first
 qualified name ``model.named_parameters()`` gives it.
+
+**Kept together.** A model's ``pipeline_keep_together`` attribute names groups of its parts that share one
+stage in every plan (:mod:`profiler.together`); :attr:`LayerGraph.keep_together` holds them as layers.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .profile import Layer, ModelInput, Profile, TiedGroup
+from .profile import KeepTogether, Layer, ModelInput, Profile, TiedGroup
+from .together import keep_together_groups
 
 __all__ = [
     "LEAF_ATTRIBUTE",
@@ -70,6 +74,8 @@ class LayerGraph:
     """Per input, the layers that read it directly (ascending)."""
     tied: list[TiedGroup] = field(default_factory=list)
     """Parameters used by more than one layer."""
+    keep_together: list[KeepTogether] = field(default_factory=list)
+    """Groups of layers the model keeps on one stage (``pipeline_keep_together``, see :mod:`profiler.together`)."""
 
     def __len__(self) -> int:
         return len(self.names)
@@ -118,10 +124,12 @@ def _params_bytes(module: nn.Module, seen: set[int]) -> int:
 
 
 def layer_graph(model: nn.Module) -> LayerGraph:
-    """Split ``model`` into layers: children of an ``nn.Sequential``, else the nodes of its fx trace."""
-    if isinstance(model, nn.Sequential):
-        return _sequential_graph(model)
-    return _fx_graph(model)
+    """Split ``model`` into layers: children of an ``nn.Sequential``, else the nodes of its fx trace.
+
+    The model's ``pipeline_keep_together`` groups are resolved into :attr:`LayerGraph.keep_together`."""
+    graph = _sequential_graph(model) if isinstance(model, nn.Sequential) else _fx_graph(model)
+    graph.keep_together = keep_together_groups(model, graph)
+    return graph
 
 
 def sequential_children(model: nn.Sequential) -> list[tuple[str, nn.Module]]:
@@ -286,7 +294,8 @@ def _fx_graph(model: nn.Module) -> LayerGraph:
 def structure_profile(model: nn.Module) -> Profile:
     """A profile of ``model``'s structure only (zero times and activations); same structure hash as a measured one.
 
-    Nothing is run, so every layer has kind ``"tensor"`` and inputs have 0 bytes; tied groups are found.
+    Nothing is run, so every layer has kind ``"tensor"`` and inputs have 0 bytes; tied and keep-together groups
+    are found.
     """
     graph = layer_graph(model)
     layers = tuple(
@@ -295,4 +304,4 @@ def structure_profile(model: nn.Module) -> Profile:
     )
     inputs = tuple(ModelInput(name, 0.0, tuple(r)) for name, r in zip(graph.input_names, graph.input_readers))
     return Profile(layers, tuple(graph.edges), {"model": type(model).__name__, "structure_only": True},
-                   tuple(graph.tied), inputs)
+                   tuple(graph.tied), inputs, tuple(graph.keep_together))

@@ -16,7 +16,8 @@ JSON format (``"format": "pipedream-ft-profile"``, ``"version": 1``)::
       ],
       "edges": [[0, 1], [1, 2], ...],
       "tied": [{"name": "wte.weight", "bytes": 65536, "layers": [1, 129]}],
-      "inputs": [{"name": "idx", "bytes": 1024, "readers": [0, 3]}]
+      "inputs": [{"name": "idx", "bytes": 1024, "readers": [0, 3]}],
+      "keep_together": [{"name": "model.norm + lm_head", "layers": [130, 131]}]
     }
 
 Times are per minibatch in milliseconds; sizes are bytes (``activation_bytes`` is the layer's output for one
@@ -56,6 +57,7 @@ __all__ = [
     "Layer",
     "TiedGroup",
     "ModelInput",
+    "KeepTogether",
     "Profile",
     "ProfileError",
     "load_profile",
@@ -159,6 +161,21 @@ class ModelInput:
 
 
 @dataclass(frozen=True, slots=True)
+class KeepTogether:
+    """Layers that must share one pipeline stage (no plan cuts between them)."""
+
+    name: str
+    """What the model called the group (its module paths), for messages."""
+    layers: tuple[int, ...]
+    """Indices of the group's layers, ascending, at least two."""
+
+    def __post_init__(self) -> None:
+        if len(self.layers) < 2 or list(self.layers) != sorted(set(self.layers)):
+            raise ProfileError(f"keep-together group {self.name!r}: layers must be two or more distinct indices, "
+                               f"ascending, got {list(self.layers)}")
+
+
+@dataclass(frozen=True, slots=True)
 class Profile:
     """A model's layer DAG with per-layer costs, in topological order."""
 
@@ -169,6 +186,8 @@ class Profile:
     """Parameters shared by several layers (layer indices into ``layers``)."""
     inputs: tuple[ModelInput, ...] = ()
     """The model's inputs and the layers reading them (empty when unknown, e.g. from ``graph.txt``)."""
+    keep_together: tuple[KeepTogether, ...] = ()
+    """Groups of layers the partitioner keeps on one stage (layer indices into ``layers``)."""
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -182,6 +201,10 @@ class Profile:
         for inp in self.inputs:
             if not all(0 <= i < n for i in inp.readers):
                 raise ProfileError(f"input {inp.name!r} names readers {list(inp.readers)}, but the profile has {n} layers")
+        for keep in self.keep_together:
+            if not all(0 <= i < n for i in keep.layers):
+                raise ProfileError(f"keep-together group {keep.name!r} names layers {list(keep.layers)}, but the "
+                                   f"profile has {n} layers")
         names: set[str] = set()
         for layer in self.layers:
             if layer.name in names:
@@ -205,12 +228,13 @@ class Profile:
         meta: dict[str, Any] | None = None,
         tied: Sequence[TiedGroup] = (),
         inputs: Sequence[ModelInput] = (),
+        keep_together: Sequence[KeepTogether] = (),
     ) -> Profile:
         """Build a profile from layers in any order and edges given by name; sorts topologically.
 
-        Ties are broken by the original order, so an already ordered input is kept as is. ``tied`` and
-        ``inputs`` index into ``layers`` as given and are renumbered. Raises :class:`ProfileError` on an unknown
-        name or a cycle.
+        Ties are broken by the original order, so an already ordered input is kept as is. ``tied``, ``inputs``
+        and ``keep_together`` index into ``layers`` as given and are renumbered. Raises :class:`ProfileError`
+        on an unknown name or a cycle.
         """
         index = {layer.name: i for i, layer in enumerate(layers)}
         if len(index) != len(layers):
@@ -259,7 +283,9 @@ class Profile:
 
         new_tied = tuple(TiedGroup(g.name, g.bytes, renumber(g.layers, f"tied parameter {g.name!r}")) for g in tied)
         new_inputs = tuple(ModelInput(x.name, x.bytes, renumber(x.readers, f"input {x.name!r}")) for x in inputs)
-        return Profile(tuple(layers[i] for i in order), new_edges, dict(meta or {}), new_tied, new_inputs)
+        new_keep = tuple(KeepTogether(k.name, renumber(k.layers, f"keep-together group {k.name!r}"))
+                         for k in keep_together)
+        return Profile(tuple(layers[i] for i in order), new_edges, dict(meta or {}), new_tied, new_inputs, new_keep)
 
     # -- queries --------------------------------------------------------------------------------------------
 
@@ -290,9 +316,9 @@ class Profile:
     def structure_hash(self) -> str:
         """SHA-256 of the model's structure: layer names, descriptions, parameter bytes, edges and tied groups.
 
-        Times, activation sizes, layer kinds and inputs are left out, so profiling the same model again (or at
-        another batch size) keeps the hash, while a different model changes it; tied groups count only when
-        there are some, so profiles without any keep their old hash. Plans carry it; the runtime refuses a
+        Times, activation sizes, layer kinds, inputs and keep-together groups are left out, so profiling the
+        same model again (or at another batch size) keeps the hash, while a different model changes it; tied
+        groups count only when there are some, so profiles without any keep their old hash. Plans carry it; the runtime refuses a
         plan whose hash differs from its model's.
         """
         body: dict[str, Any] = {
@@ -307,7 +333,7 @@ class Profile:
     # -- JSON -----------------------------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "format": FORMAT,
             "version": VERSION,
             "meta": self.meta,
@@ -327,6 +353,9 @@ class Profile:
             "tied": [{"name": g.name, "bytes": g.bytes, "layers": list(g.layers)} for g in self.tied],
             "inputs": [{"name": x.name, "bytes": x.bytes, "readers": list(x.readers)} for x in self.inputs],
         }
+        if self.keep_together:
+            out["keep_together"] = [{"name": k.name, "layers": list(k.layers)} for k in self.keep_together]
+        return out
 
     def save(self, path: str | Path) -> None:
         """Write JSON (``.json``) or PipeDream's ``graph.txt`` (any other suffix), atomically."""
@@ -399,9 +428,15 @@ class Profile:
                 inputs.append(ModelInput(str(x["name"]), _number(x, "bytes", where), tuple(x["readers"])))
             except ProfileError as exc:
                 raise ProfileError(f"{where}: {exc}") from None
+        keep: list[KeepTogether] = []
+        for k, where in _records(data, "keep_together", ("name", "layers"), source):
+            try:
+                keep.append(KeepTogether(str(k["name"]), tuple(k["layers"])))
+            except ProfileError as exc:
+                raise ProfileError(f"{where}: {exc}") from None
         try:
             return Profile.from_unordered(
-                layers, [(layers[a].name, layers[b].name) for a, b in edges], meta, tied, inputs
+                layers, [(layers[a].name, layers[b].name) for a, b in edges], meta, tied, inputs, keep
             )
         except ProfileError as exc:
             raise ProfileError(f"{source}: {exc}") from None

@@ -369,14 +369,14 @@ def check_counted(profile: Profile, plan: Plan, crossings: list[set[Key]]) -> No
     """
     con = contract(profile)
     states = linearize(con.profile)
-    position = {old: new for new, old in enumerate(con.tensor_layers)}
+    position = {old: new for new, part in enumerate(con.members) for old in part}
     stage_of = plan.layer_to_stage
     by_downset = {d: k for k, d in enumerate(states.downsets)}
     for t in range(1, plan.num_stages):
-        down = tuple(sorted(position[i] for i in con.tensor_layers if stage_of[i] < t))
+        down = tuple(sorted({position[i] for i in con.tensor_layers if stage_of[i] < t}))
         assert down in by_downset, f"the cut before stage {t} is no antichain state of the search"
         k = by_downset[down]
-        counted: set[Key] = {("layer", con.tensor_layers[i]) for i in states.crossing[k]}
+        counted: set[Key] = {("layer", old) for i in states.crossing[k] for old in con.members[i]}
         for x, inp in enumerate(con.profile.inputs):
             if set(inp.readers) - set(down):
                 counted.add(("input", x))

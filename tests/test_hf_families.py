@@ -109,6 +109,33 @@ def test_profile_plan_stages_export_and_generate(family: str, tmp_path) -> None:
     assert torch.equal(out, tokens)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_final_norm_head_and_soft_capping_share_the_last_stage(family: str) -> None:
+    """``for_pipeline`` declares the final norm, the head and the soft-capping after it one keep-together group:
+    a 4-worker plan puts them on the last stage, even where a head made heavy would be best alone."""
+    from dataclasses import replace
+
+    from partitioner.plan import Plan
+    from profiler.together import with_keep_together
+
+    model = tiny(family)
+    wrapper = for_pipeline(model)
+    spec = COVERED[type(model).__name__]
+    tail = [spec.norm.replace(".", "_"), "lm_head"] + (["truediv", "tanh", "mul"] if family == "gemma2" else [])
+    (group,) = structure_profile(wrapper).keep_together
+    measured = profile_model(wrapper, _ids(), warmup=0, repeats=1)
+    profile = with_keep_together(measured, wrapper)
+    assert profile.keep_together == (group,) and profile.structure_hash() == measured.structure_hash()
+    names = [layer.name for layer in profile.layers]
+    assert [names[i] for i in group.layers] == tail
+    head = names.index("lm_head")
+    for prof in (profile, replace(profile, layers=tuple(  # a head that is best on a stage of its own
+            replace(l, forward_ms=1e3) if i == head else l for i, l in enumerate(profile.layers)))):
+        plan = Plan.from_json(partition(prof, 4, 1e9, straight=True).to_json())
+        last = [names[i] for i in plan.stages[-1].layers]
+        assert last[-len(tail):] == tail, last
+
+
 def test_causal_lm_loss_is_transformers_loss() -> None:
     model = tiny("llama").eval()
     ids = _ids(4, 2, 10)

@@ -16,7 +16,7 @@ import pytest
 from dist_helpers import free_port
 from partitioner import PlanError, partition
 from pipedream_ft.ft.replan import consider, corrected_profile, plan_time
-from profiler.profile import Layer, Profile
+from profiler.profile import KeepTogether, Layer, Profile
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,6 +33,14 @@ def test_measured_times_scale_each_stages_layers():
     assert sum(l.forward_ms + l.backward_ms for l in corrected.layers[:2]) == pytest.approx(20.0)
     assert sum(l.forward_ms + l.backward_ms for l in corrected.layers[2:]) == pytest.approx(100.0)
     assert plan_time(corrected, plan) == pytest.approx(0.100)
+
+
+def test_a_corrected_profile_keeps_its_groups_together():
+    prof = replace(chain([10, 10, 10, 40]), keep_together=(KeepTogether("norm + head", (2, 3)),))
+    plan = partition(prof, 2, 1e9, straight=True)
+    corrected = corrected_profile(prof, plan, {0: 0.020, 1: 0.100})
+    assert corrected.keep_together == prof.keep_together
+    assert partition(corrected, 3, 1e9, straight=True).layer_to_stage[2:] == [2, 2]  # else 2 | 3 is faster
 
 
 def test_a_mis_profiled_layer_leads_to_a_faster_plan():

@@ -101,7 +101,8 @@ def corrected_profile(profile: Profile, plan: Plan, measured: dict[int, float]) 
         for i in stage.layers:
             layer = layers[i]
             layers[i] = replace(layer, forward_ms=layer.forward_ms * factor, backward_ms=layer.backward_ms * factor)
-    return Profile(tuple(layers), profile.edges, dict(profile.meta), tied=profile.tied, inputs=profile.inputs)
+    return Profile(tuple(layers), profile.edges, dict(profile.meta), tied=profile.tied, inputs=profile.inputs,
+                   keep_together=profile.keep_together)
 
 
 def plan_time(profile: Profile, plan: Plan) -> float:
