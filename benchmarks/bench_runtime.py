@@ -82,11 +82,12 @@ def _rank_main(case: Case) -> dict[str, Any]:
     from torch import nn
 
     from partitioner.plan import Plan
-    from pipedream_ft import PipelineConfig, PipelineTrainer
+    from pipedream_ft import PipelineConfig, PipelineTrainer, init_distributed
     from profiler.layers import structure_profile
     from sleep_model import sleep_model
 
     torch.set_num_threads(1)
+    init_distributed(backend="gloo", timeout_s=case.timeout_s)  # the barriers and Schedule1F1B use the default group
     rank, S = int(os.environ["RANK"]), case.stages
 
     def data(b: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,488 @@
+"""``flush`` mode's schedules (1F1B, GPipe, ZB-H1) against ``torch.distributed.pipelining``'s, and against the
+schedule simulator's prediction.
+
+Run: ``python benchmarks/bench_schedules.py [--quick] [--cases 10/10/10,2/2/2] [--steps N] [--repeats R]``.
+
+A 4-stage split sleep model (:class:`sleep_model.SplitSleepLayer`: each stage computes
+``SleepInput(x) * SleepWeight(w)``; the forward sleeps F ms, the input path's backward I ms, the weight path's
+backward W ms, on ``(8, 64)`` microbatches) runs on 4 spawned CPU processes (gloo on 127.0.0.1, one thread
+each). For each ``F/I/W`` case the same processes train it, schedule after schedule, with pipedream-ft
+(``PipelineConfig(mode="flush", flush_every=8, schedule=...)``) and then with the same schedule class of
+``torch.distributed.pipelining`` (8 microbatches per step, an optimizer step after each):
+
+- ``1f1b`` against ``Schedule1F1B``, ``gpipe`` against ``ScheduleGPipe``, ``zb_h1`` against
+  ``ScheduleInterleavedZeroBubble`` given one stage per rank (torch 2.13 has no single-stage ZB-H1 class; its
+  interleaved zero-bubble class with one local stage builds exactly ZB-H1's order, checked here before the run).
+
+Per schedule and library: throughput (minibatches per second over whole steps: fill and drain included, as
+each step flushes), against the bound ``1 / (F + I + W)``; the bubble ``1 - busy / elapsed`` over all ranks
+(busy: the sleeps each rank actually slept, counted by the model); and the simulator's
+(:func:`pipedream_ft.schedules.simulate`) predicted time per step for the same costs, the same number of steps
+run back to back (the first stage has no input gradient: its ``I`` costs 0, in the model and in the
+prediction), with the ratio measured / predicted.
+
+Targets (printed; ``MISSED`` beside one missed; the exit status is 0 either way): every schedule of ours at
+least 1.0x its peer's throughput; ZB-H1's measured bubble within 10 % (relative) of its simulated value;
+the simulator within 5 % of our measured step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import multiprocessing as mp
+import os
+import resource
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from spawned import gather  # noqa: E402
+
+__all__ = ["Case", "PEERS", "run_cases", "predict", "split_check", "main"]
+
+PEERS = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "zb_h1": "ScheduleInterleavedZeroBubble"}
+"""Our schedule -> the ``torch.distributed.pipelining`` class it is measured against."""
+TARGET_PEER = 1.0
+"""Our throughput over the peer's, per schedule, at least."""
+TARGET_ZB_BUBBLE = 0.10
+"""ZB-H1's measured bubble within this fraction of its simulated value."""
+TARGET_SIM = 0.05
+"""Our measured step time within this fraction of the simulator's prediction."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Case:
+    """One benchmark world: sleep times and run lengths."""
+
+    forward_ms: float
+    input_ms: float
+    weight_ms: float
+    steps: int = 6
+    """Optimizer steps (of ``microbatches`` minibatches each) per measured run."""
+    repeats: int = 1
+    """Measured runs per schedule and library, alternating ours and torch's; the fastest counts."""
+    schedules: tuple[str, ...] = ("1f1b", "gpipe", "zb_h1")
+    stages: int = 4
+    microbatches: int = 8
+    batch: int = 8
+    width: int = 64
+    timeout_s: float = 180.0
+
+    @property
+    def label(self) -> str:
+        return f"{self.forward_ms:g}/{self.input_ms:g}/{self.weight_ms:g}"
+
+    @property
+    def bound(self) -> float:
+        """No-bubble throughput of the slowest stage, minibatches per second."""
+        total = self.forward_ms + self.input_ms + self.weight_ms
+        return 1000.0 / total if total > 0 else float("inf")
+
+    def costs(self) -> Any:
+        """The simulator's per-stage costs in ms (stage 0 has no input gradient to compute)."""
+        from pipedream_ft.schedules import Costs
+
+        S = self.stages
+        return Costs(forward=[self.forward_ms] * S, input_backward=[0.0] + [self.input_ms] * (S - 1),
+                     weight_backward=[self.weight_ms] * S)
+
+
+# -- on paper -------------------------------------------------------------------------------------------------
+
+
+def predict(case: Case, name: str, steps: int, costs: Any = None) -> tuple[float, float]:
+    """The simulator's time per step (ms) and bubble fraction for ``steps`` steps of ``name`` run back to back
+    (no barrier between steps, like both runtimes: a rank starts the next step once its own part is done), with
+    ``costs`` (default: the case's sleep times)."""
+    from pipedream_ft.schedules import Action, build, simulate
+
+    built = build(name, case.stages, case.microbatches)
+    m = case.microbatches
+    sched = {r: [Action(a.stage, a.kind, w * m + a.index) for w in range(steps) for a in acts]
+             for r, acts in built.schedule.items()}
+    t = simulate(sched, costs if costs is not None else case.costs(), built.placement)
+    return t.step_time / steps, t.bubble_fraction
+
+
+def peer_matches(name: str, stages: int, microbatches: int) -> str:
+    """Whether torch's peer class (one stage per rank) builds our schedule's order of compute actions."""
+    from torch.distributed.pipelining import schedules as tps
+
+    from pipedream_ft.schedules import build
+
+    cls = getattr(tps, PEERS[name], None)
+    if cls is None:
+        return f"torch has no {PEERS[name]}"
+    stub = [SimpleNamespace(num_stages=stages, group_size=stages, group_rank=0, stage_index=0, submod=None)]
+    try:
+        order = cls(stub if name == "zb_h1" else stub[0], microbatches).pipeline_order
+    except Exception as exc:  # noqa: BLE001 -- reported, not fatal
+        return f"{PEERS[name]} cannot build it: {exc}"
+    theirs = {r: [f"{a.computation_type.value}{a.microbatch_index}" for a in acts if a is not None and
+                  a.computation_type.value in ("F", "B", "I", "W")] for r, acts in order.items()}
+    ours = {r: [f"{a.kind.value}{a.index}" for a in acts]
+            for r, acts in build(name, stages, microbatches).schedule.items()}
+    if name == "1f1b":  # torch 2.13's table numbers the last rank's forwards from 1; its runtime does not read it
+        last = stages - 1
+        theirs[last] = [a if not a.startswith("F") else f"F{int(a[1:]) - 1}" for a in theirs[last]]
+    same = ours == theirs
+    return "same order as ours" if same else "a DIFFERENT order from ours"
+
+
+def split_check(forward_ms: float, input_ms: float, weight_ms: float, repeats: int = 5
+                ) -> list[tuple[str, float, float, str, str]]:
+    """Time each library's input-gradient-only and weight-gradient-only backward of one middle stage (its input
+    needs a gradient), the median of ``repeats`` after a warm-up; return ``(library, I ms, W ms, sleeps in I,
+    sleeps in W)`` (the sleeps: kind x count, as the model counted them)."""
+    rows = []
+    for lib in ("pipedream-ft", "torch"):
+        trials = [_split_once(lib, forward_ms, input_ms, weight_ms) for _ in range(repeats + 1)][1:]  # a warm-up
+        i_ms = sorted(t[0] for t in trials)[len(trials) // 2]
+        w_ms = sorted(t[1] for t in trials)[len(trials) // 2]
+        in_i, in_w = {t[2] for t in trials}, {t[3] for t in trials}
+        rows.append((lib, i_ms, w_ms, " / ".join(sorted(in_i)), " / ".join(sorted(in_w))))
+    return rows
+
+
+def _split_once(lib: str, forward_ms: float, input_ms: float, weight_ms: float) -> tuple[float, float, str, str]:
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from pipedream_ft.pipeline.splitbackward import input_backward
+    from sleep_model import LEDGER, SplitSleepLayer, reset_ledger
+
+    def slept() -> str:
+        return " ".join(f"{k}x{int(v[0])}" for k, v in LEDGER.items() if v[0]) or "none"
+
+    layer = SplitSleepLayer(forward_ms, input_ms, weight_ms)
+    x = torch.randn(8, 64, requires_grad=True)
+    out = layer(x)
+    g = torch.randn_like(out)
+    reset_ledger()
+    t0 = time.perf_counter()
+    if lib == "pipedream-ft":
+        _, job = input_backward([out], [g], [x], [layer.weight])
+    else:
+        _, groups = stage_backward_input([out], [g], [x], layer.parameters())
+    t1 = time.perf_counter()
+    in_i = slept()
+    reset_ledger()
+    t2 = time.perf_counter()
+    if lib == "pipedream-ft":
+        job.run()
+    else:
+        stage_backward_weight(layer.parameters(), groups)
+    t3 = time.perf_counter()
+    return 1000 * (t1 - t0), 1000 * (t3 - t2), in_i, slept()
+
+
+# -- one rank -------------------------------------------------------------------------------------------------
+
+
+def _cpu_s() -> float:
+    """CPU seconds this process (all its threads) has used."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _rank_main(cases: list[Case]) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    from pipedream_ft import init_distributed
+
+    init_distributed(backend="gloo", timeout_s=max(c.timeout_s for c in cases))
+    out = []
+    for case in cases:
+        out.append(_rank_case(case))
+        dist.barrier()
+    return out
+
+
+def _rank_case(case: Case) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as tps
+
+    from partitioner.plan import Plan
+    from pipedream_ft import PipelineConfig, PipelineTrainer
+    from profiler.layers import structure_profile
+    from sleep_model import LEDGER, reset_ledger, split_sleep_model
+
+    torch.set_num_threads(1)
+    rank, S, m = dist.get_rank(), case.stages, case.microbatches
+    F, I, W = case.forward_ms, case.input_ms, case.weight_ms
+
+    def data(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(b)
+        return torch.randn(case.batch, case.width, generator=g), torch.randn(case.batch, case.width, generator=g)
+
+    def measured(run: Any) -> dict[str, Any]:
+        dist.barrier()
+        reset_ledger()
+        cpu0, t0 = _cpu_s(), time.perf_counter()
+        run()
+        elapsed, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
+        ledger = {k: (int(v[0]), float(v[1])) for k, v in LEDGER.items()}
+        dist.barrier()
+        return {"elapsed_s": elapsed, "cpu_s": cpu, "ledger": ledger}
+
+    prof = structure_profile(split_sleep_model(S, F, I, W))
+    plan = Plan.from_stages([[i] for i in range(S)], [1] * S, profile_hash=prof.structure_hash(),
+                            layer_names=[l.name for l in prof.layers])
+    out: dict[str, Any] = {"rank": rank, "runs": {}}
+    for name in case.schedules:
+        # -- pipedream-ft --
+        torch.manual_seed(0)
+        trainer = PipelineTrainer(split_sleep_model(S, F, I, W), plan, loss_fn=nn.functional.mse_loss,
+                                  optimizer_factory=lambda p: torch.optim.SGD(p, lr=1e-4, momentum=0.9),
+                                  config=PipelineConfig(mode="flush", flush_every=m, schedule=name,
+                                                        timeout_s=case.timeout_s, backend="gloo", progress=False,
+                                                        summary=False))
+        trainer.train(data, m)  # warm-up (and the pre-flight pass)
+
+        # -- torch.distributed.pipelining, same processes, same stage --
+        torch.manual_seed(0)
+        layer = split_sleep_model(S, F, I, W)[rank]
+        stage = PipelineStage(layer, rank, S, torch.device("cpu"))  # shapes inferred on the warm-up step
+        cls = getattr(tps, PEERS[name], None)
+        schedule = None
+        if cls is not None:
+            schedule = cls([stage] if name == "zb_h1" else stage, n_microbatches=m, loss_fn=nn.functional.mse_loss)
+        opt = torch.optim.SGD(layer.parameters(), lr=1e-4, momentum=0.9)
+
+        def step(i: int) -> None:
+            g = torch.Generator().manual_seed(10_000 + i)
+            x = torch.randn(case.batch * m, case.width, generator=g)
+            y = torch.randn(case.batch * m, case.width, generator=g)
+            opt.zero_grad(set_to_none=True)
+            if rank == 0:
+                schedule.step(x)
+            elif rank == S - 1:
+                schedule.step(target=y)
+            else:
+                schedule.step()
+            opt.step()
+
+        def torch_run() -> None:
+            for i in range(case.steps):
+                step(1 + i)
+
+        if schedule is not None:
+            step(0)  # warm-up
+        ours, theirs = [], []
+        for _ in range(case.repeats):
+            ours.append(measured(lambda: trainer.train(data, case.steps * m)))
+            if schedule is not None:
+                theirs.append(measured(torch_run))
+        trainer.close()
+        out["runs"][name] = {"ours": ours, "torch": theirs or None}
+    return out
+
+
+def _entry(cases: list[Case], rank: int, port: int, q: Any) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(cases[0].stages), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"})
+    try:
+        q.put((rank, True, _rank_main(cases)))
+    except BaseException:  # report everything to the parent, SystemExit included
+        q.put((rank, False, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_cases(cases: list[Case]) -> list[list[dict[str, Any]]]:
+    """Spawn ``stages`` ranks once, run every case's schedules with both libraries in them; return, per case,
+    each rank's figures (rank order). The processes are killed if they take longer than the cases' timeouts."""
+    if len({c.stages for c in cases}) != 1:
+        raise ValueError("every case of one run needs the same number of stages")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(cases, r, port, q), daemon=True) for r in range(cases[0].stages)]
+    for p in procs:
+        p.start()
+    per_rank = gather(procs, q, sum(c.timeout_s for c in cases), "cases " + ", ".join(c.label for c in cases))
+    return [[per_rank[r][i] for r in range(len(per_rank))] for i in range(len(cases))]
+
+
+# -- report ---------------------------------------------------------------------------------------------------
+
+
+def _figures(case: Case, res: list[dict[str, Any]], name: str, lib: str) -> dict[str, float] | None:
+    if any(r["runs"][name][lib] is None for r in res):
+        return None
+    # the fastest repeat: each repeat's time is its slowest rank's
+    best = min(range(case.repeats), key=lambda i: max(r["runs"][name][lib][i]["elapsed_s"] for r in res))
+    runs = [r["runs"][name][lib][best] for r in res]
+    elapsed = max(r["elapsed_s"] for r in runs)
+    busy = sum(sum(s for _, s in r["ledger"].values()) for r in runs)
+    n = case.steps * case.microbatches
+    # every rank slept F and W once per minibatch, and I once on every stage but the first
+    counts_ok = all(r["ledger"]["F"][0] == n and r["ledger"]["W"][0] == n and
+                    r["ledger"]["I"][0] == (0 if rank == 0 else n) for rank, r in enumerate(runs))
+    return {"rate": n / elapsed, "step_ms": 1000 * elapsed / case.steps,
+            "bubble": 1 - busy / (case.stages * elapsed), "counts_ok": float(counts_ok), "slept": _slept_costs(runs),
+            "cpu_ms": 1000 * sum(r["cpu_s"] for r in runs) / case.steps}
+
+
+def _slept_costs(runs: list[dict[str, Any]]) -> Any:
+    """Per-stage costs (ms) as the sleeps actually took (a sleep overshoots its time, more on a loaded machine)."""
+    from pipedream_ft.schedules import Costs
+
+    def mean(r: dict[str, Any], kind: str) -> float:
+        count, seconds = r["ledger"][kind]
+        return 1000 * seconds / count if count else 0.0
+
+    return Costs(forward=[mean(r, "F") for r in runs], input_backward=[mean(r, "I") for r in runs],
+                 weight_backward=[mean(r, "W") for r in runs])
+
+
+def _mark(ok: bool) -> str:
+    return "ok" if ok else "MISSED"
+
+
+def _print_tables(cases: list[Case], results: list[list[dict[str, Any]]]) -> bool:
+    ok = True
+    print()
+    print("Throughput (minibatches/s over whole steps of 8; bound 1/(F+I+W)), 4 CPU processes, gloo; "
+          f"target ours/torch >= {TARGET_PEER:.1f}")
+    head = (f"{'F/I/W ms':>9} {'ours':>6} {'torch class':>30} {'bound':>6} {'ours':>7} {'/bound':>6} "
+            f"{'torch':>7} {'/bound':>6} {'ours/torch':>10}  target")
+    print(head)
+    print("-" * len(head))
+    for case, res in zip(cases, results):
+        for name in case.schedules:
+            f_o, f_t = _figures(case, res, name, "ours"), _figures(case, res, name, "torch")
+            assert f_o is not None
+            if f_t is None:
+                print(f"{case.label:>9} {name:>6} {'(torch has no ' + PEERS[name] + ')':>30} {case.bound:6.1f} "
+                      f"{f_o['rate']:7.2f} {f_o['rate'] / case.bound:6.3f}")
+                continue
+            ratio = f_o["rate"] / f_t["rate"]
+            ok &= ratio >= TARGET_PEER
+            print(f"{case.label:>9} {name:>6} {PEERS[name]:>30} {case.bound:6.1f} {f_o['rate']:7.2f} "
+                  f"{f_o['rate'] / case.bound:6.3f} {f_t['rate']:7.2f} {f_t['rate'] / case.bound:6.3f} "
+                  f"{ratio:10.3f}  >={TARGET_PEER:.1f}:{_mark(ratio >= TARGET_PEER)}")
+    print()
+    print("Step time and bubble against the simulator (same costs, same steps back to back; bubble = 1 - busy/elapsed "
+          "over all ranks;\n"
+          f"targets, ours only: step within {100 * TARGET_SIM:.0f} % of predicted, ZB-H1's bubble within "
+          f"{100 * TARGET_ZB_BUBBLE:.0f} % of predicted)")
+    head = (f"{'F/I/W ms':>9} {'sched':>6} {'library':>12} {'step ms':>8} {'pred ms':>8} {'meas/pred':>9} "
+            f"{'bubble':>7} {'pred':>7} {'slept F/I/W ms':>15} {'pred@slept':>10} {'meas/p@s':>8} {'cpu ms':>6} "
+            f"{'sleeps':>6}  targets")
+    print(head)
+    print("-" * len(head))
+    for case, res in zip(cases, results):
+        for name in case.schedules:
+            pred_ms, pred_bubble = predict(case, name, case.steps)
+            for lib in ("ours", "torch"):
+                f = _figures(case, res, name, lib)
+                if f is None:
+                    continue
+                r = f["step_ms"] / pred_ms
+                verdict = []
+                if lib == "ours":
+                    sim_ok = abs(r - 1) <= TARGET_SIM
+                    ok &= sim_ok
+                    verdict.append(f"sim:{_mark(sim_ok)}")
+                    if name == "zb_h1":
+                        b_ok = abs(f["bubble"] - pred_bubble) <= TARGET_ZB_BUBBLE * pred_bubble
+                        ok &= b_ok
+                        verdict.append(f"bubble:{_mark(b_ok)}")
+                counts = "ok" if f["counts_ok"] else "WRONG"
+                ok &= bool(f["counts_ok"])
+                label = "pipedream-ft" if lib == "ours" else "torch"
+                slept = f["slept"]
+                at_slept, _ = predict(case, name, case.steps, slept)
+                mid = case.stages // 2  # a middle stage's mean sleeps
+                sl = f"{slept.forward[mid]:.2f}/{slept.input_backward[mid]:.2f}/{slept.weight_backward[mid]:.2f}"
+                print(f"{case.label:>9} {name:>6} {label:>12} {f['step_ms']:8.1f} {pred_ms:8.1f} {r:9.3f} "
+                      f"{100 * f['bubble']:6.1f}% {100 * pred_bubble:6.1f}% {sl:>15} {at_slept:10.1f} "
+                      f"{f['step_ms'] / at_slept:8.3f} {f['cpu_ms']:6.0f} {counts:>6}  {' '.join(verdict)}")
+    print("(slept: a middle stage's mean sleep per action; pred@slept: the simulator with every stage's slept means,\n"
+          " so meas/p@s is the runtime's own overhead; cpu ms: CPU time of all 4 processes per step; sleeps: every\n"
+          " rank slept F and W once per minibatch and I once, except the first stage, which has no input gradient)")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default="10/10/10,2/2/2",
+                   help="comma-separated F/I/W sleep times in ms (default 10/10/10,2/2/2)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps (of 8 minibatches) per measured run (default: about 2 s of 1F1B per run, "
+                        "0.7 s with --quick; at least 3)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="measured runs per schedule and library, the fastest counts (default 2; 1 with --quick)")
+    p.add_argument("--schedules", default="1f1b,gpipe,zb_h1", help="which of ours (default all three)")
+    p.add_argument("--quick", action="store_true", help="short runs (under a minute)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds one case may take (default: from its length)")
+    args = p.parse_args(argv)
+    schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
+    for s in schedules:
+        if s not in PEERS:
+            p.error(f"unknown schedule {s!r}: expected some of {', '.join(PEERS)}")
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 2)
+    if repeats < 1 or (args.steps is not None and args.steps < 1):
+        p.error("--steps and --repeats must be >= 1")
+    cases = []
+    for item in args.cases.split(","):
+        try:
+            fwd, inp, wgt = (float(v) for v in item.split("/"))
+        except ValueError:
+            p.error(f"--cases takes F/I/W triples, got {item!r}")
+        if min(fwd, inp, wgt) < 0:
+            p.error(f"sleep times must be >= 0, got {item!r}")
+        probe = Case(fwd, inp, wgt)
+        step_ms = max(predict(probe, "1f1b", 1)[0], 1.0)
+        steps = args.steps if args.steps is not None else max(3, round((700 if args.quick else 2000) / step_ms))
+        # every schedule is at most as slow as GPipe; two libraries, repeats plus a warm-up step each; spawning
+        run_s = 2 * len(schedules) * (repeats * steps + 1) * predict(probe, "gpipe", 1)[0] / 1000
+        timeout = args.timeout if args.timeout is not None else 120 + 4 * run_s
+        cases.append(dataclasses.replace(probe, steps=steps, repeats=repeats, schedules=schedules, timeout_s=timeout))
+
+    print("torch's peer of each schedule, one stage per rank (compute actions of 4 ranks, 8 microbatches):")
+    for name in schedules:
+        print(f"  {name:>6} vs {PEERS[name]}: {peer_matches(name, cases[0].stages, cases[0].microbatches)}")
+    c0 = cases[0]
+    print(f"Split backward of one middle stage (F/I/W = {c0.label} ms): each library's input-gradient-only and "
+          "weight-gradient-only halves")
+    for lib, i_ms, w_ms, in_i, in_w in split_check(c0.forward_ms, c0.input_ms, c0.weight_ms):
+        want = in_i == "Ix1" and in_w == "Wx1"
+        print(f"  {lib:>12}: I {i_ms:6.2f} ms (slept {in_i}), W {w_ms:6.2f} ms (slept {in_w})"
+              f"{'' if want else '  NOT SPLIT'}")
+    print()
+    t0 = time.perf_counter()
+    print("Running " + "; ".join(f"F/I/W = {c.label} ms: {c.repeats} x {c.steps} steps" for c in cases) +
+          f" (steps of {c0.microbatches}) per schedule and library, in 4 processes ...", end=" ", flush=True)
+    results = run_cases(cases)
+    print(f"{time.perf_counter() - t0:.1f} s", flush=True)
+    ok = _print_tables(cases, results)
+    print()
+    print("all targets met" if ok else "some targets MISSED (exit status 0 all the same: the figures on a shared CPU "
+                                      "machine are ratios, see benchmarks/README.md)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
