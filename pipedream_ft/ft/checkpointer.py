@@ -58,7 +58,7 @@ from ..errors import JobError, PipelineError, PipelineSetupError, say
 from ..pipeline.executor import CUT, DURABLE, REPLAN, STOP
 from ..pipeline.group import CommGroup
 from ..pipeline.hooks import Hooks
-from ..pipeline.modes import Flush, Mode
+from ..pipeline.modes import Mode
 from ..pipeline.state import StageState
 from ..pipeline.topology import Topology
 from ..policies import CheckpointPolicy, EveryNSteps, PreemptionHandler
@@ -144,8 +144,7 @@ def plan_hash(plan: Plan, mode: Mode) -> str:
     body = {
         "profile_hash": plan.profile_hash,
         "stages": [[list(s.layers), s.replicas] for s in plan.stages],
-        "mode": mode.name,
-        "flush_every": mode.flush_every if isinstance(mode, Flush) else None,
+        **mode.identity(),
     }
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 

@@ -40,6 +40,13 @@ class Mode(ABC):
     name: ClassVar[str]
     asynchronous: ClassVar[bool] = True
     """Updates follow every backward (no flush): gradients of one minibatch, not a window's sum."""
+    tied_updates_together: ClassVar[bool] = False
+    """Every holder of a tied parameter applies its update at once (else the first holder leads, see
+    :mod:`~pipedream_ft.pipeline.tied`)."""
+
+    def identity(self) -> dict[str, object]:
+        """What a checkpoint's plan hash records of the mode: the training semantics it was written under."""
+        return {"mode": self.name, "flush_every": None}
 
     def check(self, topo: Topology) -> None:
         """Raise :class:`PlanError` if this mode cannot run ``topo``'s plan."""
@@ -138,6 +145,7 @@ class Flush(Mode):
 
     name = "flush"
     asynchronous = False
+    tied_updates_together = True
 
     def __init__(self, flush_every: int, schedule: str = "1f1b") -> None:
         if flush_every < 1:
@@ -156,6 +164,10 @@ class Flush(Mode):
         if self.order != "1f1b" and any(r != 1 for r in topo.replicas):
             raise PlanError(f"schedule {self.order!r} runs a straight pipeline; the plan replicates stages "
                             f"{[s for s, r in enumerate(topo.replicas) if r != 1]} (schedule '1f1b' runs it)")
+
+    def identity(self) -> dict[str, object]:
+        # the schedule is left out: every one gives the same minibatch SGD, so a run may resume under another
+        return {"mode": self.name, "flush_every": self.flush_every}
 
     def schedule(self, topo: Topology, start: int, stop: int) -> list[Action]:
         return synchronous(self.order, topo.stage, topo.replica, topo.replicas, start, stop, self.flush_every)

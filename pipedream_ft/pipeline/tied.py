@@ -37,7 +37,7 @@ from torch import nn
 from partitioner.plan import PlanError
 
 from ..errors import PipelineSetupError
-from .modes import Flush, Mode
+from .modes import Mode
 from .topology import Topology
 from .versions import Version, VersionStore
 
@@ -216,7 +216,7 @@ class TiedParameters:
     def on_update(self, round_: int) -> None:
         """This stage's update ``round_`` just took the gradients: send this holder's tied gradients to the other
         holders, and apply the tied update now (the first holder, or every holder in flush mode)."""
-        flush = isinstance(self.mode, Flush)
+        together = self.mode.tied_updates_together
         for g in self.groups:
             grad = g.param.grad
             grad = torch.zeros_like(g.param) if grad is None else grad.detach().clone()
@@ -225,7 +225,7 @@ class TiedParameters:
             for stage, peer in g.partners.items():
                 self.messenger.send_tensor(peer, round_, self._slots[(g.index, stage)], grad, "tied")
                 self._post(g, round_, stage)
-            if flush or g.is_first:
+            if together or g.is_first:
                 self._apply_until(g, round_ + 1)
 
     def drain(self, updates: int) -> None:
