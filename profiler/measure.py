@@ -284,7 +284,8 @@ def profile_model(
         ModelInput(name, float(tensor_bytes(inputs[i])) if i < len(inputs) else 0.0, tuple(readers))
         for i, (name, readers) in enumerate(zip(graph.input_names, graph.input_readers))
     )
-    return Profile(tuple(layers), tuple(graph.edges), info, tuple(graph.tied), model_inputs)
+    return Profile(tuple(layers), tuple(graph.edges), info, tuple(graph.tied), model_inputs,
+                   tuple(graph.keep_together))
 
 
 def _kind(graph: LayerGraph, i: int, out: Any, is_module: bool) -> str:

@@ -82,6 +82,7 @@ def test_malformed_attribute_names_the_offending_value(bad, match) -> None:
 def test_profile_model_then_with_keep_together() -> None:
     model = _LM((("norm", OUTPUT),))
     profile = profile_model(model, torch.randn(2, 8), warmup=0, repeats=1)
+    assert profile.keep_together == structure_profile(model).keep_together != ()  # measured with the groups
     kept = with_keep_together(profile, model)
     assert kept.keep_together == structure_profile(model).keep_together
     assert kept.structure_hash() == profile.structure_hash()
