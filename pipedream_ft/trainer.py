@@ -46,7 +46,8 @@ from .errors import InvalidArgument, JobError, PipelineSetupError, mark_training
 from .ft.checkpointer import CheckpointConfig, Checkpointer, plan_hash
 from .ft.inplace import InPlace
 from .ft.recovery import Membership
-from .ft.replan import Measurement, RePlanPolicy, consider, load_replanned, store_replanned
+from .ft.replan import RePlanPolicy, load_replanned
+from .ft.replan_control import Measure, RePlanControl
 from .ft.coordination import Coordinator
 from .ft.elastic import describe_plan, load_stored_profile, replan
 from .ft.faults import FaultInjector
@@ -322,7 +323,6 @@ class PipelineTrainer:
             if topo.is_first:
                 self.executor.decide = self.ckpt.decide
             self.executor.on_cut = self.ckpt.on_cut
-        self._replans = 0
         if config.replan is not None:
             self._start_replanning(config.replan)
         self.fingerprint = hashlib.sha256(json.dumps(
@@ -378,46 +378,21 @@ class PipelineTrainer:
         return self.ckpt.resume() if self.ckpt is not None else None
 
     def _start_replanning(self, policy: RePlanPolicy) -> None:
-        """Measure this stage's costs (every rank) and decide re-plans (rank 0); see :mod:`pipedream_ft.ft.replan`."""
+        """Measure this stage's costs (every rank) and decide re-plans (rank 0); see
+        :mod:`pipedream_ft.ft.replan_control`."""
         if self.ckpt is None or self.ckpt.storage is None:
             raise PipelineSetupError("re-planning needs a durable checkpoint tier (CheckpointConfig(url=...)): the "
                                      "new plan starts from a checkpoint resharded into it")
         if self.profile is None:
             self.profile = load_stored_profile(self.ckpt.storage)
         key = plan_hash(self.plan, self.mode)
-        self.hooks.add(_Measure(policy, lambda: self.executor.stats, self.topo.stage,
-                                lambda value: self.coordinator.publish_measurement(key, value)))
+        self.hooks.add(Measure(policy, lambda: self.executor.stats, self.topo.stage,
+                               lambda value: self.coordinator.publish_measurement(key, value)))
         if self.topo.rank == 0:
-            self.ckpt.replan_due = lambda cut: self._replan_due(cut, policy, key)
-
-    def _replan_due(self, cut: int, policy: RePlanPolicy, key: str) -> bool:
-        """Rank 0, at stage 0's possible cuts: stop here for a better plan?"""
-        if cut < policy.after + policy.every or cut % policy.every or self._replans >= policy.max_replans:
-            return False
-        per_stage: dict[int, list[float]] = {}
-        for text in self.coordinator.measurements(key).values():
-            m = Measurement.from_json(text)
-            per_stage.setdefault(m.stage, []).append(m.compute_s)
-        if len(per_stage) < self.plan.num_stages or self.profile is None:
-            return False
-        measured = {s: sum(v) / len(v) for s, v in per_stage.items()}
-        try:
-            found = consider(self.profile, self.plan, measured, self.env.world_size, policy.min_gain)
-        except PlanError as exc:  # measured costs that make no sense: keep the plan, keep training
-            log.warning("not re-planning: %s", exc)
-            return False
-        if found is None:
-            return False
-        new, gain = found
-        assert self.ckpt is not None and self.ckpt.storage is not None
-        store_replanned(self.ckpt.storage, self.plan, new, plan_hash(self.plan, self.mode))
-        self._replans += 1
-        msg = (f"re-planning at minibatch {cut}: measured stage times "
-               f"{', '.join(f'{measured[s] * 1000:.1f}' for s in sorted(measured))} ms per minibatch; "
-               f"{describe_plan(self.plan)} -> {describe_plan(new)}, predicted {gain:.0%} faster")
-        log.warning(msg)
-        say(f"pipedream-ft: {msg}", sys.stdout)
-        return True
+            control = RePlanControl(policy, plan=self.plan, profile=self.profile, key=key,
+                                    world_size=self.env.world_size, coordinator=self.coordinator,
+                                    storage=self.ckpt.storage)
+            self.ckpt.replan_due = control.due
 
     def _make_group(self, store: Any, cancelled: Callable[[], bool] | None = None) -> CommGroup:
         """This epoch's process groups, in namespace ``store`` (see :class:`CommGroup` for ``cancelled``)."""
@@ -799,35 +774,6 @@ class _PipelineSide:
             feed.rewind(t.messenger)
             if t.topo.is_first:
                 t.data_state.attach(feed, t.position)
-
-
-class _Measure(Hooks):
-    """Publishes this stage's compute time per minibatch (forward + backward) every ``policy.every`` minibatches,
-    measured since the previous publication (the first after ``policy.after`` minibatches)."""
-
-    def __init__(self, policy: RePlanPolicy, stats: Callable[[], RankStats], stage: int,
-                 publish: Callable[[str], None]) -> None:
-        self.policy = policy
-        self.stats = stats
-        self.stage = stage
-        self.publish = publish
-        self._mark: tuple[float, int] | None = None
-
-    def on_update(self, round_: int, done: int, start: float, end: float) -> None:
-        s = self.stats()
-        compute = s.forward_s + s.backward_s
-        if done < self.policy.after:
-            return
-        if self._mark is None:
-            self._mark = (compute, s.minibatches)
-            return
-        seconds, count = compute - self._mark[0], s.minibatches - self._mark[1]
-        if count >= self.policy.every:
-            self._mark = (compute, s.minibatches)
-            try:
-                self.publish(Measurement(self.stage, seconds / count, count).to_json())
-            except Exception:  # measuring must not stop training
-                pass
 
 
 class _Milestones(Hooks):
