@@ -45,8 +45,10 @@ def weight_stashing_reference(
     vertical: bool = False,
     seed: int = 0,
     compensation: Any = None,
+    on_update: Callable[[int, list[nn.Module]], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Final weights (original keys) and per-minibatch losses of PipeDream's semantics.
+    """Final weights (original keys) and per-minibatch losses of PipeDream's semantics. ``on_update(n, stages)``
+    is called after each update with the number of minibatches trained and the stage modules (live weights).
 
     A parameter used by several stages (tied) is one parameter with its own optimizer; every holder reads it
     at the version its first holder's stage would read its own weights, and its update ``b`` applies the sum
@@ -62,7 +64,7 @@ def weight_stashing_reference(
 
     delays = [S - 1 if vertical else S - 1 - s for s in range(S)]
     losses = _train_segment(stages, opts, 0, steps, version, data, loss_fn, seed, tied_opts, delays=delays,
-                            compensation=compensation)
+                            compensation=compensation, on_update=on_update)
     state: dict[str, torch.Tensor] = {}
     for st in stages:
         state.update({k: v.detach().clone() for k, v in st.state_dict().items()})
@@ -80,8 +82,10 @@ def two_bw_reference(
     *,
     seed: int = 0,
     compensation: Any = None,
+    on_update: Callable[[int, list[nn.Module]], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Final weights and per-minibatch losses of PipeDream-2BW with update interval ``every``. A tied parameter is
+    """Final weights and per-minibatch losses of PipeDream-2BW with update interval ``every`` (``on_update`` as in
+    :func:`weight_stashing_reference`). A tied parameter is
     read at its window's version like every weight, and its update ``k`` applies the sum of its holders' window
     gradients, added in stage order."""
     S = plan.num_stages
@@ -90,7 +94,7 @@ def two_bw_reference(
     opts = [optimizer_factory(p) if p else None for p in own]
     tied_opts = [optimizer_factory([p]) for p, _ in tied]
     losses = _train_segment(stages, opts, 0, steps, lambda b, s: max(0, b // every - 1), data, loss_fn, seed,
-                            tied_opts, every=every, delays=[1] * S, compensation=compensation)
+                            tied_opts, every=every, delays=[1] * S, compensation=compensation, on_update=on_update)
     state: dict[str, torch.Tensor] = {}
     for st in stages:
         state.update({k: v.detach().clone() for k, v in st.state_dict().items()})
@@ -132,6 +136,7 @@ def _train_segment(
     every: int = 1,
     delays: list[int] | None = None,
     compensation: Any = None,
+    on_update: Callable[[int, list[nn.Module]], None] | None = None,
 ) -> list[float]:
     """Minibatches ``start .. stop-1`` one at a time through ``stages``: stage s's forward and backward of b use
     its weights after ``version(b, s)`` updates; after each window of ``every`` minibatches every stage applies its
@@ -234,6 +239,8 @@ def _train_segment(
             tied_opts[t].step()
             tied_opts[t].zero_grad(set_to_none=True)
             tversions[t][u + 1] = p.detach().clone()
+        if on_update is not None:
+            on_update(b + 1, stages)
     return losses
 
 
@@ -244,8 +251,10 @@ def minibatch_sgd_reference(
     optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     steps: int,
     window: int,
+    on_update: Callable[[int, list[nn.Module]], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Plain training: one step per ``window`` minibatches, on the mean of their losses."""
+    """Plain training: one step per ``window`` minibatches, on the mean of their losses; ``on_update(n, [model])``
+    after each step, ``n`` the minibatches trained."""
     opt = optimizer_factory(list(model.parameters()))
     losses = []
     for w in range(steps // window):
@@ -259,6 +268,8 @@ def minibatch_sgd_reference(
         total.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if on_update is not None:
+            on_update((w + 1) * window, [model])
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
