@@ -59,6 +59,16 @@ def test_plans_of_random_fx_models_pass_the_distributed_preflight(model_and_inpu
         assert all(ok and result for ok, result in out.values())
 
 
+@pytest.mark.slow
+def test_a_plan_that_sends_shape_values_is_stopped_by_the_preflight_naming_them():
+    """A plan from before value layers were recomputed (no ``recompute`` list) would send shape ints between
+    stages: the pre-flight, which checks crossings as training, evaluation and check_plan do, names them."""
+    plan_json = dict(gpt_plan(2), recompute=[])
+    out = run_world(preflight_case, 2, tiny_gpt(), plan_json, lm_data(0)[0], timeout=180, expect_failure=True)
+    messages = [str(payload[1]) for ok, payload in out.values() if not ok]
+    assert messages and all("values holding no tensor cannot cross stages: [" in m for m in messages), messages
+
+
 @pytest.mark.parametrize("workers", [2, 3, 4])
 def test_gpt_plans_run_stage_by_stage(workers):
     plan = Plan.from_json(gpt_plan(workers))

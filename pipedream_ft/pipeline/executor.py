@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..errors import PipelineSetupError
 from .comm import Header, Messenger, RecvHandle, TensorSpec
-from .crossing import Structure
+from .crossing import Structure, outgoing
 from .data import bind_inputs
 from .hooks import Hooks
 from .modes import Mode
@@ -104,10 +104,6 @@ def mix_seed(seed: int, stage: int, minibatch: int) -> int:
     """The RNG seed of ``minibatch``'s forward on ``stage``: reproducible across restarts."""
     x = (seed * 1_000_003 + stage) * 1_000_000_007 + minibatch
     return x % (2**63 - 1)
-
-
-def _holds_tensor(value: Any) -> bool:
-    return any(isinstance(x, torch.Tensor) for x in tree_leaves(value))
 
 
 def _tensors(values: Any) -> list[torch.Tensor]:
@@ -231,13 +227,12 @@ class Executor:
                     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
                         raise PipelineSetupError(f"loss_fn must return a scalar tensor, got {loss!r:.80}")
                 else:
-                    values = list(out)
-                    bad = [n for n, v in zip(module.output_names, values) if not _holds_tensor(v)]
-                    if bad:
+                    crossing = outgoing(list(out), module.output_names)  # as check_plan and evaluate send
+                    if isinstance(crossing, list):
                         raise PipelineSetupError(
-                            f"values holding no tensor cannot cross stages: {bad}; the plan should have them "
+                            f"values holding no tensor cannot cross stages: {crossing}; the plan should have them "
                             "recomputed (plan the model again with this version's pipedream-partition)")
-                    structure, outs = Structure.split(values)
+                    structure, outs = crossing
         except Exception as exc:  # any failure here is reported collectively below
             what = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             shapes = ", ".join(str(TensorSpec.of(t)) for t in _tensors(inputs)) if inputs is not None else "?"
