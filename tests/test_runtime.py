@@ -1,6 +1,5 @@
 """The runtime against single-process references, on real gloo processes."""
 
-import time
 
 import pytest
 import torch
@@ -90,10 +89,15 @@ def test_bad_input_stops_every_rank_with_one_message(kind, message):
 
 
 def test_stuck_peer_fails_the_others_within_the_timeout():
-    t0 = time.monotonic()
-    out = run_world(stuck_peer_case, 3, 1, expect_failure=True, timeout=60)
+    """Rank 1 stops for 15 s after the pre-flight: the others give up on it after their 4 s timeout (the wait
+    each reports, measured inside the process: spawning and importing under load do not count), long before
+    it would have come back."""
+    import re
+
+    out = run_world(stuck_peer_case, 3, 1, expect_failure=True, timeout=90)
     for rank in (0, 2):
         ok, (etype, msg, _) = out[rank]
         assert not ok and etype == "PeerTimeoutError", msg
         assert "rank 1" in msg
-    assert time.monotonic() - t0 < 40
+        waited = re.search(r"after ([0-9.]+)s", msg)
+        assert waited and 3.5 <= float(waited.group(1)) < 10, msg

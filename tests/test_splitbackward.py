@@ -77,3 +77,20 @@ def test_a_weight_the_outputs_do_not_use_gets_none():
     _, w = input_backward([lin(x).sum()], [None], [x], [lin.weight, unused])
     got = w.run()
     assert got[0] is not None and got[1] is None
+
+
+def test_an_output_that_is_an_input_or_a_weight_itself_passes_its_gradient_straight_through():
+    """A stage may send on one of its inputs unchanged (a residual stream crossing it) or a weight as it is: those
+    outputs have no graph; their gradients are the input's and the weight's, added to what the graph gives."""
+    torch.manual_seed(2)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    seeds = [torch.randn(3, 4), torch.randn(3, 4), torch.randn(4, 4)]
+    weights = [lin.weight, lin.bias]
+    want = torch.autograd.grad([lin(x), x, lin.weight], [x] + weights, seeds)
+    in_grads, w = input_backward([lin(x), x, lin.weight], seeds, [x], weights)
+    got = tuple(in_grads) + tuple(w.run())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"neither an input nor a weight \(shape \[2\]\)"):
+        input_backward([torch.ones(2, requires_grad=True)], [None], [x], weights)

@@ -53,8 +53,11 @@ class WeightBackward:
     """The ``W`` half of a split backward (see :func:`input_backward`): :meth:`run` once."""
 
     def __init__(self, groups: list[tuple[list[tuple[Any, int, torch.Tensor]], list[int]]],
-                 kept: dict[Any, tuple[Any, ...]], weights: list[torch.Tensor]) -> None:
+                 kept: dict[Any, tuple[Any, ...]], weights: list[torch.Tensor],
+                 direct: dict[int, torch.Tensor] | None = None) -> None:
         self._groups = groups
+        self._direct = direct or {}
+        """Gradients of weights that are outputs themselves (no graph between)."""
         self._kept = kept
         self._weights: list[torch.Tensor] | None = weights
 
@@ -65,7 +68,7 @@ class WeightBackward:
             raise RuntimeError("the weight half of a split backward runs once")
         groups, kept, weights = self._groups, self._kept, self._weights
         self._groups, self._kept, self._weights = [], {}, None
-        out: list[torch.Tensor | None] = [None] * len(weights)
+        out: list[torch.Tensor | None] = [None] * len(weights)  # filled group by group
         handles = [node.register_prehook(lambda _grads, saved=saved: saved) for node, saved in kept.items()]
         try:
             for starts, which in groups:  # one autograd call per group: it stops at the group's own weights
@@ -76,7 +79,8 @@ class WeightBackward:
         finally:
             for h in handles:
                 h.remove()
-        return tuple(out)
+        direct, self._direct = self._direct, {}
+        return tuple(_plus(g, direct.get(i)) for i, g in enumerate(out))
 
 
 def _group(starts: list[tuple[Any, int, torch.Tensor]], on_input_path: dict[Any, bool],
@@ -128,11 +132,25 @@ def input_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
     """The ``I`` half: the gradient of each of ``inputs`` (``None`` where unused) given ``grads`` of ``roots``
     (``None`` for a scalar loss), and the :class:`WeightBackward` that computes the gradient of ``weights``
     later. ``inputs`` and ``weights`` must require gradients."""
-    roots = list(roots)
     grads = [torch.ones_like(r) if g is None else g for r, g in zip(roots, grads)]
+    # an output that is one of the leaves itself (an input passed on unchanged, a weight sent on as it is) has
+    # no graph: its gradient is that leaf's, as it is
+    direct_in: dict[int, torch.Tensor] = {}
+    direct_w: dict[int, torch.Tensor] = {}
+    through = [(r, g) for r, g in zip(roots, grads) if r.grad_fn is not None]
+    for r, g in zip(roots, grads):
+        if r.grad_fn is not None:
+            continue
+        for leaves, direct in ((inputs, direct_in), (weights, direct_w)):
+            i = next((i for i, t in enumerate(leaves) if t is r), None)
+            if i is not None:
+                direct[i] = direct[i] + g if i in direct else g
+                break
+        else:
+            raise ValueError("a root of a split backward is a leaf that is neither an input nor a weight "
+                             f"(shape {list(r.shape)})")
+    roots, grads = [r for r, _ in through], [g for _, g in through]
     root_nodes = [r.grad_fn for r in roots]
-    if any(n is None for n in root_nodes):
-        raise ValueError("every root of a split backward must come out of the graph (have a grad_fn)")
     input_nodes = {_node(t) for t in inputs}
     weight_nodes = {_node(t) for t in weights}
     on_input_path = _reaches(root_nodes, input_nodes) if inputs else {}
@@ -158,6 +176,7 @@ def input_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
     finally:
         for h in handles:
             h.remove()
+    in_grads = tuple(_plus(g, direct_in.get(i)) for i, g in enumerate(in_grads))
     starts: list[tuple[Any, int, torch.Tensor]] = []
     for node, saved in kept.items():
         starts += [(node, i, g) for i, g in enumerate(saved) if g is not None]
@@ -167,4 +186,10 @@ def input_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
         if not on_input_path.get(edge.node, False) and to_weights.get(edge.node, False):
             starts.append((edge.node, edge.output_nr, g))
     weight_index = {_node(t): i for i, t in enumerate(weights)}
-    return in_grads, WeightBackward(_group(starts, on_input_path, weight_index), kept, list(weights))
+    return in_grads, WeightBackward(_group(starts, on_input_path, weight_index), kept, list(weights), direct_w)
+
+
+def _plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    if a is None:
+        return b
+    return a if b is None else a + b
