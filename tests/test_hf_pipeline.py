@@ -8,7 +8,7 @@
   what the reference model generates.
 * Gemma 2 (tied head, soft-capping, sliding windows, eager attention) through ``for_pipeline(model)``, fed
   ``(inputs by name, labels)`` pairs, in stash mode: the loss falls; it evaluates and exports.
-* Every other family (Mistral, Qwen2, Qwen3, Phi-3, Gemma 3, GPT-NeoX, OPT, GPT-2) in one spawn: flush mode
+* Every other family (Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, GPT-NeoX, OPT, GPT-2) in one spawn: flush mode
   exact against the plain model from padded dict minibatches, evaluated, exported, reloaded and generating; and
   in stash mode, where each one's loss falls.
 * The README's recipe (a Llama split by hand whose rotary ``(cos, sin)`` tuple crosses every stage) trains in
@@ -100,7 +100,7 @@ def test_gemma2_and_the_readme_recipe_train_evaluate_and_export_in_stash_mode(tm
                 torch.testing.assert_close(back(ids).logits, fresh.eval()(ids).logits, rtol=0, atol=1e-5)
 
 
-OTHER_FAMILIES = ("mistral", "qwen2", "qwen3", "phi3", "gemma3", "gpt_neox", "opt", "gpt2")
+OTHER_FAMILIES = ("mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt_neox", "opt", "gpt2")
 
 
 @pytest.mark.slow
