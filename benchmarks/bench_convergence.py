@@ -1,5 +1,5 @@
-"""Convergence of the training modes and delay compensations on the GPT example, simulated in one process, and
-their predicted time to a target loss at several pipeline depths.
+"""Convergence of the training modes and delay compensations on the GPT example (or the digits CNN), simulated in
+one process, and their predicted time to a target loss at several pipeline depths.
 
 Each configuration trains ``examples/gpt.py``'s GPT on ``examples/text_data.py``'s text with the one-process
 references of the modes' semantics (``tests/pipedream_reference.py``; the runtime is tested exact against
@@ -13,10 +13,10 @@ plan of each depth is ``partitioner.optimizer.partition``'s straight pipeline ov
 deterministic costs (parameter plus activation bytes per layer, not measured times, so that the plan and the
 results are the same every run); 16 stages cut inside the GPT's blocks. The plain loop does not depend on the
 depth and runs once. The held-out loss (64 fixed windows) is measured at the first update at or after every
-``--eval-every`` minibatches (default 20; the plain loop, ``stash`` and ``vertical`` update every minibatch,
-``flush`` and ``2bw`` every ``S``) and at the end. It writes the curves of each configuration at its best learning
-rate (lowest final held-out loss), one panel per depth, to ``<out>.png`` (matplotlib), all curves to
-``<out>.csv``, and the time-to-target table below to ``<out>_time.csv``.
+``--eval-every`` minibatches (default 20, ``--quick`` 4; the plain loop, ``stash`` and ``vertical`` update every
+minibatch, ``flush`` and ``2bw`` every ``S``) and at the end. It writes the curves of each configuration at its
+best learning rate (lowest final held-out loss), one panel per depth, to ``<out>.png`` (matplotlib), all curves
+to ``<out>.csv``, and the time-to-target table below to ``<out>_time.csv``.
 
 It prints, per depth, a table: per configuration, the final held-out loss at its best learning rate against
 the plain loop's at its best, and the minibatches it needs to reach the plain loop's held-out loss at minibatch
@@ -32,10 +32,24 @@ best synchronous schedule's (``flush``), for every target that either reaches. E
 to the tokens per minibatch (``--ef-lambda``; see the compensation module). Deterministic given ``--seed``
 (one thread per run, whatever ``--jobs``; dropout seeded per stage and minibatch as in the runtime).
 
+``--model digits`` trains the README's first tutorial instead: ``examples/models.py``'s ``digits_cnn`` on
+``examples/train_digits.py``'s digits (shipped with scikit-learn, nothing downloaded; minibatches of 32 images,
+the example's seeded 20 % held out), Adam as in the example, default 600 minibatches, LRs 3e-3, 1e-3 and 3e-4,
+targets 150 and 600, depths 4 and 8 (the CNN has 11 layers), error feedback's ``lam`` the images per minibatch.
+Its curves carry the held-out accuracy too (a CSV column), the best learning rate is the highest final held-out
+accuracy (ties to the lower loss), and after the loss table it prints, per depth, instead of the time table, a
+non-regression table: per configuration its final held-out loss and accuracy, the accuracy against the plain
+loop's and, per compensated configuration, against the same mode without compensation: ``ok`` within 1
+percentage point or better, else ``REGRESSED``; then the best asynchronous configuration against the plain loop.
+No target line and no ``<out>_time.csv``; ``<out>`` defaults to ``convergence_digits``.
+It exits 1 if any compensation regressed.
+
     python benchmarks/bench_convergence.py --quick   # a smaller GPT (4 x 32 wide, 32 bytes), 100 minibatches,
                                                      # LR 2e-3, targets at 40 and 100, 4 and 8 stages
                                                      # (one to two minutes)
     python benchmarks/bench_convergence.py --small --lrs 2e-3 1e-3   # the smaller GPT, 1,000 minibatches
+    python benchmarks/bench_convergence.py --model digits --quick   # the digits CNN, 200 minibatches, LR 3e-3,
+                                                                    # 4 and 8 stages (about one minute)
 """
 
 from __future__ import annotations
@@ -55,14 +69,17 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 
 from examples.gpt import gpt  # noqa: E402
+from examples.models import digits_cnn  # noqa: E402
 from examples.text_data import TextData  # noqa: E402
+from examples.train_digits import DigitsData  # noqa: E402
+from examples.train_digits import make_optimizer as digits_optimizer  # noqa: E402
 from examples.train_gpt import held_out_loss, lm_loss, make_optimizer  # noqa: E402
 from pipedream_ft.pipeline.compensation import Compensation  # noqa: E402
 from pipedream_ft.schedules import Costs, build, simulate  # noqa: E402
 from pipedream_reference import minibatch_sgd_reference, two_bw_reference, weight_stashing_reference  # noqa: E402
 
-Curve = list[tuple[int, float]]
-"""(minibatches trained, held-out loss) pairs."""
+Curve = list[tuple[int, float, float | None]]
+"""(minibatches trained, held-out loss, held-out accuracy: None for the GPT) triples."""
 
 ASYNC_MODES = ("stash", "vertical", "2bw")
 SYNC_SCHEDULES = ("1f1b", "gpipe", "zb_h1")
@@ -94,22 +111,46 @@ def configs(ef: float) -> dict[str, tuple[str, Compensation | None]]:
 NAMES = list(configs(1.0))
 MODE = {name: mode for name, (mode, _) in configs(1.0).items()}
 
-SIZE: dict[str, int] = {}
-"""The GPT's size (empty: ``examples/gpt.py``'s default); ``--small`` makes it smaller."""
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What is trained: ``"gpt"`` (``examples/gpt.py``'s GPT of ``size``, empty for its default, on
+    ``examples/text_data.py``'s text, AdamW) or ``"digits"`` (``examples/models.py``'s ``digits_cnn`` on
+    ``examples/train_digits.py``'s digits, Adam, the example's optimizer); ``data(b)`` is minibatch ``b``."""
+
+    name: str
+    data: Any
+    size: tuple[tuple[str, int], ...] = ()
+
+    def model(self, seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return digits_cnn() if self.name == "digits" else gpt(**dict(self.size))
+
+    def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out, target) if self.name == "digits" else lm_loss(out, target)
+
+    def optimizer(self, lr: float) -> Callable[..., Any]:
+        return digits_optimizer("adam", lr) if self.name == "digits" else make_optimizer("adamw", lr)
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> tuple[float, float | None]:
+        """Held-out loss and accuracy: the GPT's 64 fixed windows (no accuracy); the digits example's held-out
+        20 % (359 images)."""
+        if self.name != "digits":
+            return held_out_loss(model, self.data, 64), None
+        model.eval()
+        out = model(self.data.test_x)
+        return (float(torch.nn.functional.cross_entropy(out, self.data.test_y)),
+                float((out.argmax(dim=1) == self.data.test_y).float().mean()))
 
 
-def _model(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return gpt(**SIZE)
-
-
-def run(mode: str, comp: Compensation | None, lr: float, steps: int, stages: int, data: TextData, plan: Any,
+def run(mode: str, comp: Compensation | None, lr: float, steps: int, stages: int, work: Workload, plan: Any,
         seed: int, eval_every: int, extra: tuple[int, ...] = ()) -> Curve:
-    """Train one configuration; its held-out loss at the first update at or after every ``eval_every`` minibatches,
-    after minibatch counts ``extra`` and at the end."""
-    opt: Callable[..., Any] = make_optimizer("adamw", lr)
-    model = _model(seed)
-    probe = _model(seed)
+    """Train one configuration; its held-out loss (and accuracy) at the first update at or after every
+    ``eval_every`` minibatches, after minibatch counts ``extra`` and at the end."""
+    opt: Callable[..., Any] = work.optimizer(lr)
+    data, loss_fn = work.data, work.loss
+    model = work.model(seed)
+    probe = work.model(seed)
     curve: Curve = []
     mark = [eval_every]
 
@@ -122,17 +163,16 @@ def run(mode: str, comp: Compensation | None, lr: float, steps: int, stages: int
         for m in modules:
             state.update(m.state_dict())
         probe.load_state_dict(state)
-        with torch.no_grad():
-            curve.append((done, held_out_loss(probe, data, 64)))
+        curve.append((done, *work.evaluate(probe)))
 
     if mode == "plain":
-        minibatch_sgd_reference(model, data, lm_loss, opt, steps, 1, on_update=on_update)
+        minibatch_sgd_reference(model, data, loss_fn, opt, steps, 1, on_update=on_update)
     elif mode == "flush":
-        minibatch_sgd_reference(model, data, lm_loss, opt, steps, stages, on_update=on_update)
+        minibatch_sgd_reference(model, data, loss_fn, opt, steps, stages, on_update=on_update)
     elif mode == "2bw":
-        two_bw_reference(model, plan, data, lm_loss, opt, steps, stages, compensation=comp, on_update=on_update)
+        two_bw_reference(model, plan, data, loss_fn, opt, steps, stages, compensation=comp, on_update=on_update)
     else:
-        weight_stashing_reference(model, plan, data, lm_loss, opt, steps, vertical=mode == "vertical",
+        weight_stashing_reference(model, plan, data, loss_fn, opt, steps, vertical=mode == "vertical",
                                   compensation=comp, on_update=on_update)
     return curve
 
@@ -156,15 +196,17 @@ def make_plan(profile: Any, stages: int) -> Any:
 
 def reach(curve: Curve, target: float) -> int | None:
     """The first minibatch count whose held-out loss is at or below ``target``."""
-    return next((n for n, loss in curve if loss <= target), None)
+    return next((n for n, loss, _ in curve if loss <= target), None)
 
 
 def loss_at(curve: Curve, n: int) -> float | None:
-    return next((loss for m, loss in curve if m == n), None)
+    return next((loss for m, loss, _ in curve if m == n), None)
 
 
 def _best(by_lr: dict[float, Curve]) -> tuple[float, Curve]:
-    return min(by_lr.items(), key=lambda kv: kv[1][-1][1])
+    """The best learning rate and its curve: the lowest final held-out loss, or with an accuracy (digits) the
+    highest final held-out accuracy, ties to the lower loss."""
+    return min(by_lr.items(), key=lambda kv: (-(kv[1][-1][2] or 0.0), kv[1][-1][1]))
 
 
 def goals_of(plain: dict[float, Curve] | None, targets: list[int]) -> dict[int, float | None]:
@@ -200,6 +242,39 @@ def table(curves: dict[str, dict[float, Curve]], targets: list[int], steps: int,
     lines.append(f"({steps} minibatches; 'to plain@N': minibatches to reach the plain loop's held-out loss at N, "
                  "'-' never)")
     return lines
+
+
+def accuracy_table(curves: dict[str, dict[float, Curve]], tolerance: float = 0.01) -> tuple[list[str], list[str]]:
+    """The printed non-regression table (digits) and the configurations that regressed: per configuration at its
+    best learning rate, the final held-out loss and accuracy and the accuracy against the plain loop's; per
+    compensated configuration, against the same mode without compensation: ``ok`` if at most ``tolerance`` below
+    it (or better), else ``REGRESSED``; last, the best asynchronous configuration against the plain loop."""
+    best = {name: _best(by_lr) for name, by_lr in curves.items()}
+    acc: dict[str, float] = {name: curve[-1][2] or 0.0 for name, (_, curve) in best.items()}
+    lines = [f"{'configuration':20s} {'best lr':>8s} {'loss':>7s} {'accuracy':>8s} {'vs plain':>9s}  "
+             f"{'vs mode':>9s}  check"]
+    regressed = []
+    for name, (lr, curve) in best.items():
+        a = acc[name]
+        vs_plain = f"{100 * (a - acc['plain']):+7.2f}pp" if "plain" in acc and name != "plain" else ""
+        mode = MODE[name]
+        if name == mode or mode not in acc:
+            vs_mode, check = "", ""
+        else:
+            d = a - acc[mode]
+            vs_mode, check = f"{100 * d:+7.2f}pp", "ok" if d >= -tolerance - 1e-9 else "REGRESSED"
+            if check != "ok":
+                regressed.append(name)
+        lines.append(f"{name:20s} {lr:8g} {curve[-1][1]:7.4f} {100 * a:7.2f}% {vs_plain:>9s}  {vs_mode:>9s}  {check}")
+    asyn = [n for n in best if MODE[n] in ASYNC_MODES]
+    if asyn and "plain" in acc:
+        top = max(asyn, key=lambda n: (acc[n], -best[n][1][-1][1]))
+        lines.append(f"asynchronous vs plain: best asynchronous {top} {100 * acc[top]:.2f}% against the plain loop's "
+                     f"{100 * acc['plain']:.2f}% ({100 * (acc[top] - acc['plain']):+.2f} pp)")
+    lines.append(f"(held-out accuracy and loss at the end, best LR per configuration (highest accuracy); pp: "
+                 f"percentage points; 'vs mode': against the same mode without compensation, ok within "
+                 f"{100 * tolerance:g} pp or better)")
+    return lines, regressed
 
 
 def minibatch_times(stages: int, flush_every: int) -> dict[str, tuple[float, float]]:
@@ -305,13 +380,13 @@ def target_line(rows_by_depth: dict[int, list[Row]], targets: list[int], depth: 
            f" ({detail}){note}"
 
 
-def write_curves(curves: dict[int, dict[str, dict[float, Curve]]], out: Path) -> list[Path]:
+def write_curves(curves: dict[int, dict[str, dict[float, Curve]]], out: Path, title: str = "GPT") -> list[Path]:
     """All curves to ``out.csv`` (the plain loop as 1 stage); the best-LR curve per configuration to ``out.png``
-    (one panel per depth) if matplotlib is there."""
+    (one panel per depth, titled ``title``) if matplotlib is there."""
     written = [out.with_suffix(".csv")]
     with open(written[0], "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["stages", "configuration", "lr", "minibatches", "held_out_loss"])
+        w.writerow(["stages", "configuration", "lr", "minibatches", "held_out_loss", "held_out_accuracy"])
         plain_done = False
         for stages, by_name in curves.items():
             for name, by_lr in by_name.items():
@@ -320,7 +395,8 @@ def write_curves(curves: dict[int, dict[str, dict[float, Curve]]], out: Path) ->
                         continue
                     plain_done = True
                 for lr, curve in by_lr.items():
-                    w.writerows([1 if name == "plain" else stages, name, lr, n, f"{loss:.6f}"] for n, loss in curve)
+                    w.writerows([1 if name == "plain" else stages, name, lr, n, f"{loss:.6f}",
+                                 "" if acc is None else f"{acc:.6f}"] for n, loss, acc in curve)
     try:
         import matplotlib
 
@@ -334,11 +410,11 @@ def write_curves(curves: dict[int, dict[str, dict[float, Curve]]], out: Path) ->
         for i, (name, by_lr) in enumerate(by_name.items()):
             lr, curve = _best(by_lr)
             style = "-" if i < 10 else "--"
-            ax.plot([n for n, _ in curve], [loss for _, loss in curve], style, label=f"{name} (lr {lr:g})",
+            ax.plot([p[0] for p in curve], [p[1] for p in curve], style, label=f"{name} (lr {lr:g})",
                     linewidth=2.5 if name == "plain" else 1.2, color="black" if name == "plain" else None)
         ax.set_xlabel("minibatches")
         ax.set_ylabel("held-out loss")
-        ax.set_title(f"GPT, {stages}-stage pipeline semantics, AdamW, best LR per configuration")
+        ax.set_title(f"{title}, {stages}-stage pipeline semantics, best LR per configuration")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, ncol=2)
         finals = [c[-1][1] for by_lr in by_name.values() for c in by_lr.values()]
@@ -368,37 +444,54 @@ def write_times(rows: list[Row], goals: dict[int, float | None], out: Path) -> P
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=("gpt", "digits"), default="gpt",
+                   help="the GPT on text (default) or the digits CNN (examples/train_digits.py)")
     p.add_argument("--quick", action="store_true",
-                   help="the smaller GPT, 100 minibatches of 8 x 32 bytes, LR 2e-3, targets 40 100, 4 and 8 stages")
-    p.add_argument("--minibatches", "--steps", dest="minibatches", type=int, default=1000)
+                   help="GPT: the smaller GPT, 100 minibatches of 8 x 32 bytes, LR 2e-3, targets 40 100, 4 and 8 "
+                   "stages; digits: 200 minibatches, LR 3e-3, targets 50 200, 4 and 8 stages")
+    p.add_argument("--minibatches", "--steps", dest="minibatches", type=int, default=None,
+                   help="minibatches per run (default: GPT 1000, digits 600)")
     p.add_argument("--stages", type=int, nargs="+", default=None,
-                   help="pipeline depths (default 4 8 16; --quick: 4 8)")
-    p.add_argument("--lrs", type=float, nargs="+", default=[2e-3, 1e-3, 5e-4, 2.5e-4])
+                   help="pipeline depths (default GPT 4 8 16, digits 4 8; --quick: 4 8)")
+    p.add_argument("--lrs", type=float, nargs="+", default=None,
+                   help="learning rates (default GPT 2e-3 1e-3 5e-4 2.5e-4, digits 3e-3 1e-3 3e-4)")
     p.add_argument("--configs", nargs="+", choices=NAMES, default=NAMES)
     p.add_argument("--deep-configs", nargs="+", choices=NAMES, default=None,
                    help="the configurations at the depths after the first (default: --configs)")
     p.add_argument("--small", action="store_true", help="the smaller GPT of --quick (4 x 32 wide, 32 bytes)")
     p.add_argument("--eval-every", type=int, default=None, help="minibatches between held-out evaluations "
                    "(default: 4 with --quick, else 20; at the first update at or after each multiple)")
-    p.add_argument("--targets", type=int, nargs="+", default=[300, 1000],
-                   help="minibatch counts of the plain loop whose held-out loss the others must reach")
+    p.add_argument("--targets", type=int, nargs="+", default=None,
+                   help="minibatch counts of the plain loop whose held-out loss the others must reach "
+                   "(default GPT 300 1000, digits 150 600)")
     p.add_argument("--ef-lambda", type=float, default=None, help="error feedback's lam (default: tokens per "
-                   "minibatch)")
-    p.add_argument("--out", type=Path, default=Path("convergence"), help="path of the .png and .csv, no suffix")
+                   "minibatch for the GPT, images per minibatch for digits)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="path of the .png and .csv, no suffix (default convergence, digits convergence_digits)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=1, help="configurations trained at once (processes of one thread; "
                    "the same results)")
     args = p.parse_args(argv)
-    block, batch = 64, 8
-    if args.quick:
+    digits = args.model == "digits"
+    block, batch = (1, 32) if digits else (64, 8)
+    if args.quick and digits:
+        args.minibatches, args.lrs, args.targets = 200, [3e-3], [50, 200]
+        args.eval_every = args.eval_every or 4
+        args.stages = args.stages or [4, 8]
+    elif args.quick:
         args.minibatches, args.lrs, args.small, args.targets = 100, [2e-3], True, [40, 100]
         args.eval_every = args.eval_every or 4
         args.stages = args.stages or [4, 8]
-    depths = list(dict.fromkeys(args.stages or [4, 8, 16]))
+    args.minibatches = args.minibatches or (600 if digits else 1000)
+    args.lrs = args.lrs or ([3e-3, 1e-3, 3e-4] if digits else [2e-3, 1e-3, 5e-4, 2.5e-4])
+    args.targets = args.targets or ([150, 600] if digits else [300, 1000])
+    args.out = args.out or Path("convergence_digits" if digits else "convergence")
+    depths = list(dict.fromkeys(args.stages or ([4, 8] if digits else [4, 8, 16])))
     deep = args.deep_configs or args.configs
-    if args.small:
+    size: dict[str, int] = {}
+    if args.small and not digits:
         block = 32
-        SIZE.update(n_layer=4, n_head=2, n_embd=32, block_size=32)
+        size.update(n_layer=4, n_head=2, n_embd=32, block_size=32)
     eval_every = args.eval_every or 20
     steps = {S: args.minibatches - args.minibatches % S for S in depths}
     for S in depths:
@@ -410,8 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     from profiler.measure import profile_model
 
-    data = TextData(block, batch, args.seed)
-    profile = profile_model(_model(args.seed), data(0)[0], warmup=0, repeats=1)
+    data = DigitsData(batch, args.seed) if digits else TextData(block, batch, args.seed)
+    work = Workload(args.model, data, tuple(size.items()))
+    profile = profile_model(work.model(args.seed), data(0)[0], warmup=0, repeats=1)
     plans = {S: make_plan(profile, S) for S in depths}
     names_at = {S: [n for n in (args.configs if i == 0 else deep) if n != "plain"] for i, S in enumerate(depths)}
     jobs: list[tuple[int | None, str, float]] = []
@@ -419,13 +513,13 @@ def main(argv: list[str] | None = None) -> int:
     if "plain" in args.configs:  # the same at every depth: once, to the longest run, evaluated at each depth's end
         for lr in args.lrs:
             jobs.append((None, "plain", lr))
-            tasks.append((*table_of["plain"], lr, args.minibatches, 1, data, None, args.seed, eval_every,
+            tasks.append((*table_of["plain"], lr, args.minibatches, 1, work, None, args.seed, eval_every,
                           tuple(sorted(set(steps.values())))))
     for S in depths:
         for name in names_at[S]:
             for lr in args.lrs:
                 jobs.append((S, name, lr))
-                tasks.append((*table_of[name], lr, steps[S], S, data, plans[S], args.seed, eval_every))
+                tasks.append((*table_of[name], lr, steps[S], S, work, plans[S], args.seed, eval_every))
     results: dict[tuple[int | None, str], dict[float, Curve]] = {}
     t_all = time.perf_counter()
 
@@ -433,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
         S, name, lr = job
         results.setdefault((S, name), {})[lr] = curve
         where = "" if S is None else f"{S:2d} stages "
-        print(f"{where or 'any depth ':10s}{name:20s} lr {lr:<8g} held-out {curve[-1][1]:.4f}  ({took:.0f} s)",
+        acc = "" if curve[-1][2] is None else f" accuracy {100 * curve[-1][2]:.2f}%"
+        print(f"{where or 'any depth ':10s}{name:20s} lr {lr:<8g} held-out {curve[-1][1]:.4f}{acc}  ({took:.0f} s)",
               flush=True)
 
     if args.jobs > 1:
@@ -450,12 +545,14 @@ def main(argv: list[str] | None = None) -> int:
     goals = goals_of(plain, targets)
     curves: dict[int, dict[str, dict[float, Curve]]] = {}
     rows_by_depth: dict[int, list[Row]] = {}
-    print(f"\n{args.minibatches} minibatches of {batch} x {block} bytes, AdamW, error feedback lam {ef:g}; best "
+    what = f"of {batch} images, Adam" if digits else f"of {batch} x {block} bytes, AdamW"
+    print(f"\n{args.model}: {args.minibatches} minibatches {what}, error feedback lam {ef:g}; best "
           f"learning rate per configuration ({time.perf_counter() - t_all:.0f} s in all)")
+    regressed: list[str] = []
     for i, S in enumerate(depths):
         by_name: dict[str, dict[float, Curve]] = {}
         if plain:
-            by_name["plain"] = {lr: [(n, x) for n, x in c if n <= steps[S]] for lr, c in plain.items()}
+            by_name["plain"] = {lr: [pt for pt in c if pt[0] <= steps[S]] for lr, c in plain.items()}
         by_name.update({n: results[(S, n)] for n in names_at[S]})
         curves[S] = by_name
         layers = [len(st.layers) for st in plans[S].stages]
@@ -463,16 +560,27 @@ def main(argv: list[str] | None = None) -> int:
                 f"{depths[0]} stages" if i and set(names_at[S]) != set(names_at[depths[0]]) else ""
         print(f"\n=== {S} stages (layers per stage {layers}){fewer} ===")
         print("\n".join(table(by_name, targets, steps[S], goals)))
+        if digits:
+            lines, bad = accuracy_table(by_name)
+            print()
+            print("\n".join(lines))
+            regressed += [f"{n} at {S} stages" for n in bad]
+            continue
         times = minibatch_times(S, S)
         rows_by_depth[S] = time_rows(by_name, goals, S, times)
         print()
         print("\n".join(time_table(rows_by_depth[S], targets, S, times)))
     print()
-    print(target_line(rows_by_depth, targets))
-    for path in write_curves(curves, args.out):
+    if digits:
+        print("non-regression (every compensation's held-out accuracy within 1 pp of its mode's without "
+              f"compensation, or better): {'REGRESSED: ' + ', '.join(regressed) if regressed else 'ok'}")
+    else:
+        print(target_line(rows_by_depth, targets))
+    for path in write_curves(curves, args.out, "digits CNN" if digits else "GPT"):
         print(f"wrote {path}")
-    print(f"wrote {write_times([r for rows in rows_by_depth.values() for r in rows], goals, args.out)}")
-    return 0
+    if not digits:
+        print(f"wrote {write_times([r for rows in rows_by_depth.values() for r in rows], goals, args.out)}")
+    return 1 if regressed else 0
 
 
 if __name__ == "__main__":
