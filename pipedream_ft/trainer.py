@@ -302,17 +302,11 @@ class PipelineTrainer:
         self._add_observers()
         self.group: CommGroup | None = None
         self.messenger: Messenger | None = None
-        self.executor = Executor(topo, self.state, self.mode, device=self.device, loss_fn=loss_fn, seed=config.seed,
-                                 hooks=self.hooks)
         self.record = TrainRecord(lambda: self.executor.losses)
         self.state.components["record"] = self.record  # a restored part brings its call's loss history back
         self.stepper = Stepper(self.state, topo=topo, synchronous=not self.mode.asynchronous,
                                messenger=self.messenger, clip_grad_norm=config.clip_grad_norm, scaler=self.scaler,
                                scheduler=scheduler, compensation=config.compensation, delay=self.mode.delay(topo))
-        self.executor.step = self.stepper.step
-        self.executor.autocast = autocast_context(config.autocast_dtype, self.device)
-        if self.scaler is not None:
-            self.executor.loss_factor = lambda: self.scaler.scale  # type: ignore[union-attr]
         self.ckpt: Checkpointer | None = None
         if checkpoint is not None:
             self.ckpt = Checkpointer(checkpoint, topo=topo, mode=self.mode, state=self.state,
@@ -320,9 +314,13 @@ class PipelineTrainer:
                                      profile=profile, job=self.coordinator.job_id())
             if self.faults:
                 self.faults.instrument(self.ckpt)
-            if topo.is_first:
-                self.executor.decide = self.ckpt.decide
-            self.executor.on_cut = self.ckpt.on_cut
+        scaler = self.scaler
+        self.executor = Executor(topo, self.state, self.mode, device=self.device, loss_fn=loss_fn, seed=config.seed,
+                                 hooks=self.hooks, step=self.stepper.step,
+                                 autocast=autocast_context(config.autocast_dtype, self.device),
+                                 loss_factor=(lambda: scaler.scale) if scaler is not None else None,
+                                 decide=self.ckpt.decide if self.ckpt is not None and topo.is_first else None,
+                                 on_cut=self.ckpt.on_cut if self.ckpt is not None else None)
         if config.replan is not None:
             self._start_replanning(config.replan)
         self.fingerprint = hashlib.sha256(json.dumps(

@@ -126,7 +126,12 @@ class Executor:
     """Runs one stage replica's actions (see the module docstring)."""
 
     def __init__(self, topo: Topology, state: StageState, mode: Mode, *, device: torch.device,
-                 loss_fn: Callable[[Any, Any], torch.Tensor], seed: int, hooks: Hooks) -> None:
+                 loss_fn: Callable[[Any, Any], torch.Tensor], seed: int, hooks: Hooks,
+                 step: Callable[[], None] | None = None,
+                 autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+                 loss_factor: Callable[[], float] | None = None,
+                 decide: Callable[[int], int] | None = None,
+                 on_cut: Callable[[int, int], None] | None = None) -> None:
         self.topo = topo
         self.state = state
         self.mode = mode
@@ -139,9 +144,9 @@ class Executor:
         self.stats = RankStats()
         self.losses: list[tuple[int, float]] = []
         """``(minibatch, loss)`` of every minibatch this rank (the last stage) computed in the current run."""
-        self.decide: Callable[[int], int] | None = None
+        self.decide = decide
         """Stage 0: the cut flags for minibatch ``b`` (0: no cut after it)."""
-        self.on_cut: Callable[[int, int], None] | None = None
+        self.on_cut = on_cut
         """Called after the update that completes the minibatches before a cut, with ``(cut, flags)``."""
         self.cuts: dict[int, int] = {}
         """Cuts announced to this rank and not yet reached: cut -> flags."""
@@ -158,11 +163,12 @@ class Executor:
         self._act_recv: dict[int, RecvHandle] = {}
         self._generator = torch.cuda.default_generators[self.device.index or 0] if self.device.type == "cuda" \
             else torch.default_generator
-        self.step: Callable[[], None] = self._step
-        """Applies the summed gradients: the optimizer step (then ``zero_grad``) unless replaced."""
-        self.autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+        self.step: Callable[[], None] = step if step is not None else self._step
+        """Applies the summed gradients: the optimizer step (then ``zero_grad``) unless given another (the
+        :class:`~pipedream_ft.pipeline.stepper.Stepper`'s clipping, loss scaling and LR schedule)."""
+        self.autocast = autocast
         """The context of every forward and loss (mixed precision, :mod:`pipedream_ft.pipeline.precision`)."""
-        self.loss_factor: Callable[[], float] = lambda: 1.0
+        self.loss_factor: Callable[[], float] = loss_factor if loss_factor is not None else (lambda: 1.0)
         """A further factor on each loss before its backward (the float16 loss scale)."""
 
     def attach(self, messenger: Messenger | None) -> None:
