@@ -94,3 +94,21 @@ def test_an_output_that_is_an_input_or_a_weight_itself_passes_its_gradient_strai
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match=r"neither an input nor a weight \(shape \[2\]\)"):
         input_backward([torch.ones(2, requires_grad=True)], [None], [x], weights)
+
+
+def test_two_weights_each_used_at_two_depths_share_the_path_between_them():
+    """ALBERT-style sharing: Wa and Wb are both used in the first and the second layer, so the weight half's call
+    for each one runs through the first layer's nodes: the graph must outlive the first call."""
+    torch.manual_seed(3)
+    wa, wb = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def layers(x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ wa + x @ wb)
+        return h @ wa + torch.sigmoid(h @ wb)
+
+    seed = torch.randn(3, 4)
+    want = torch.autograd.grad([layers(x)], [x, wa, wb], [seed])
+    in_grads, w = input_backward([layers(x)], [seed], [x], [wa, wb])
+    for a, b in zip(tuple(in_grads) + tuple(w.run()), want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

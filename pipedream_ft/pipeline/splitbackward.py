@@ -71,9 +71,12 @@ class WeightBackward:
         out: list[torch.Tensor | None] = [None] * len(weights)  # filled group by group
         handles = [node.register_prehook(lambda _grads, saved=saved: saved) for node, saved in kept.items()]
         try:
-            for starts, which in groups:  # one autograd call per group: it stops at the group's own weights
+            for k, (starts, which) in enumerate(groups):  # one autograd call per group: it stops at its weights
+                # a node may lie on the paths of two groups (weights each used at two depths, with the input path
+                # between them): the graph is kept until the last call
                 got = torch.autograd.grad([GradientEdge(node, i) for node, i, _ in starts], [weights[w] for w in which],
-                                          [g for _, _, g in starts], allow_unused=True)
+                                          [g for _, _, g in starts], allow_unused=True,
+                                          retain_graph=k < len(groups) - 1)
                 for w, g in zip(which, got):
                     out[w] = g
         finally:
