@@ -131,8 +131,8 @@ class Heartbeat:
                 continue  # a newer process is starting, this one is on its way out, or it finished
             log.warning("rank %d (process %d) stopped beating %.1fs ago; asking its supervisor to replace it",
                         rank, incarnation, now - seen[1])
+            self.evictions.append((rank, incarnation))  # recorded first: the record never lags the store
             self.live.evict(rank, incarnation)
-            self.evictions.append((rank, incarnation))
 
     def _ended(self, rank: int) -> int | None:
         key = _KEY_ENDED.format(rank=rank)
