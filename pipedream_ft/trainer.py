@@ -45,7 +45,7 @@ from .env import DistEnv, read_env
 from .errors import InvalidArgument, JobError, PipelineSetupError, mark_training, say
 from .ft.checkpointer import CheckpointConfig, Checkpointer, plan_hash
 from .ft.inplace import InPlace
-from .ft.recovery import Membership
+from .ft.recovery import Membership, store_connection
 from .ft.replan import RePlanPolicy, load_replanned
 from .ft.replan_control import Measure, RePlanControl
 from .ft.coordination import Coordinator
@@ -296,7 +296,9 @@ class PipelineTrainer:
         # every check above is local and the same on every rank; only now talk to the others
         self.coordinator = Coordinator(env, config.timeout_s)
         self.hooks = HookList()
-        self.faults = FaultInjector.from_env(rank=env.rank, attempt=env.restart_count)
+        self.faults = FaultInjector.from_env(rank=env.rank, attempt=env.restart_count,
+                                             connect=lambda: store_connection(env, config.timeout_s),
+                                             key_prefix=f"pipedream-ft/{env.run_id}/faults")
         if self.faults:
             self.hooks.add(self.faults)
         self._add_observers()

@@ -107,7 +107,10 @@ CASES = {
     "kill -9": ("kill@rank=2,step=21", 21, 1, "starting replacement 1"),
     "exception in user code": ("exception@rank=1,step=13", 13, 1, "injected fault"),
     "SIGSTOP: evicted and replaced": ("hang@rank=3,step=21", 21, 1, "stopped answering"),
-    "two failures at once": ("kill@rank=1,step=21;kill@rank=3,step=21", 21, 2, "starting replacement 1"),
+    # tagged together: neither fires before the other is reached (else the first loss is noticed and recovered
+    # from before the other rank gets to its step)
+    "two failures at once": ("kill@rank=1,step=21,together=a;kill@rank=3,step=21,together=a", 21, 2,
+                             "starting replacement 1"),
     "a failure while the group forms again": ("kill@rank=2,step=21;rejoin@rank=1,step=0,attempt=1", 21, 2,
                                               "injecting fault rejoin"),
     "a second failure after the recovery": ("kill@rank=2,step=17;kill@rank=0,step=33,attempt=1", 33, 2,

@@ -7,7 +7,13 @@ Faults are given in code or in the environment variable ``PIPEDREAM_FT_FAULTS``,
 Each fault fires once, on ``rank``, when that rank starts the forward of minibatch ``step``, during attempt
 ``attempt`` (default 0) of the group: torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``), plus, with
 in-place recovery, the number of times the group was formed again — so a restarted or recovered run is not hit
-again unless asked to be (two failures in a row: a second fault with ``attempt=1``). Kinds:
+again unless asked to be (two failures in a row: a second fault with ``attempt=1``).
+
+Faults that share a ``together=NAME`` tag fire at once: each rank that reaches its fault waits (in the job's store)
+until every fault of the tag has been reached, then they all fire — two machines lost in the same instant, which
+no choice of steps can arrange otherwise (a rank that notices the first loss recovers before it reaches its own
+step). Only the faults fired as a rank starts a forward (``kill`` to ``supervisor`` below) take a tag, and a tag's
+faults must be reachable while the first to arrive waits (each at a step its rank can reach without it). Kinds:
 
 ``kill``        SIGKILL itself (a machine fault)
 ``exception``   raise :class:`InjectedFault` in the training loop (a runtime error in user code)
@@ -32,6 +38,7 @@ import os
 import signal
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -43,7 +50,11 @@ __all__ = ["KINDS", "Fault", "InjectedFault", "FaultInjector", "parse_faults"]
 
 KINDS = ("kill", "exception", "hang", "term", "supervisor", "ckpt_crash", "corrupt", "rejoin", "connect",
          "drained")
+AT_FORWARD = ("kill", "exception", "hang", "term", "supervisor")
+"""The kinds fired as a rank starts a forward: the only ones a ``together`` tag may join."""
 ENV_VAR = "PIPEDREAM_FT_FAULTS"
+TOGETHER_WAIT_S = 120.0
+"""How long a tagged fault waits for the rest of its tag before the drill is called misconfigured."""
 
 
 class InjectedFault(RuntimeError):
@@ -56,29 +67,39 @@ class Fault:
     rank: int
     step: int
     attempt: int = 0
+    together: str = ""
+    """A tag: the faults that share it fire at once (see the module docstring); empty: alone."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"fault kind must be one of {KINDS}, got {self.kind!r}")
         if self.rank < 0 or self.step < 0 or self.attempt < 0:
             raise ValueError(f"fault rank, step and attempt must be >= 0, got {self}")
+        if self.together and self.kind not in AT_FORWARD:
+            raise ValueError(f"fault {self}: only the kinds {AT_FORWARD} take together=, got {self.kind!r}")
+        if self.together and not self.together.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"fault {self}: together= must be letters, digits, '-' or '_', got {self.together!r}")
 
     def __str__(self) -> str:
-        return f"{self.kind}@rank={self.rank},step={self.step},attempt={self.attempt}"
+        tag = f",together={self.together}" if self.together else ""
+        return f"{self.kind}@rank={self.rank},step={self.step},attempt={self.attempt}{tag}"
 
 
 def parse_faults(text: str) -> list[Fault]:
-    """Parse ``kind@rank=R,step=S[,attempt=A];...``."""
+    """Parse ``kind@rank=R,step=S[,attempt=A][,together=NAME];...``."""
     faults = []
     for item in filter(None, (p.strip() for p in text.split(";"))):
         kind, sep, rest = item.partition("@")
         if not sep:
-            raise ValueError(f"fault {item!r} must look like kind@rank=R,step=S[,attempt=A]")
-        fields: dict[str, int] = {}
+            raise ValueError(f"fault {item!r} must look like kind@rank=R,step=S[,attempt=A][,together=NAME]")
+        fields: dict[str, Any] = {}
         for kv in rest.split(","):
             key, eq, value = kv.strip().partition("=")
-            if not eq or key not in ("rank", "step", "attempt"):
+            if not eq or key not in ("rank", "step", "attempt", "together"):
                 raise ValueError(f"fault {item!r}: unknown field {kv.strip()!r}")
+            if key == "together":
+                fields[key] = value.strip()
+                continue
             try:
                 fields[key] = int(value)
             except ValueError:
@@ -86,14 +107,27 @@ def parse_faults(text: str) -> list[Fault]:
         if "rank" not in fields or "step" not in fields:
             raise ValueError(f"fault {item!r} needs rank= and step=")
         faults.append(Fault(kind.strip(), **fields))
+    tags = Counter((f.together, f.attempt) for f in faults if f.together)
+    alone = sorted(tag for (tag, _), n in tags.items() if n < 2)
+    if alone:
+        raise ValueError(f"faults tagged together={alone[0]!r} need at least two faults of one attempt to fire "
+                         f"together, got one")
     return faults
 
 
 class FaultInjector(Hooks):
     """Fires the faults meant for this rank and attempt (a hook: the training loop knows nothing of it)."""
 
-    def __init__(self, faults: list[Fault], *, rank: int, attempt: int) -> None:
+    def __init__(self, faults: list[Fault], *, rank: int, attempt: int,
+                 connect: Callable[[], Any] | None = None, key_prefix: str = "pipedream-ft/faults") -> None:
+        """``connect`` opens a connection to the job's store, where faults tagged ``together`` meet (needed only
+        when some are); ``key_prefix`` names this job's keys there."""
         self._mine = [f for f in faults if f.rank == rank]
+        self._tag_sizes = Counter((f.together, f.attempt) for f in faults if f.together)
+        if any(f.together for f in self._mine) and connect is None:
+            raise ValueError(f"rank {rank}: faults tagged together= need the job's store (connect=), got none")
+        self._connect = connect
+        self._key_prefix = key_prefix
         self.rank = rank
         self.faults: list[Fault] = []
         self.set_attempt(attempt)
@@ -105,9 +139,12 @@ class FaultInjector(Hooks):
         self.faults = [f for f in self._mine if f.attempt == attempt]
 
     @staticmethod
-    def from_env(*, rank: int, attempt: int, environ: dict[str, str] | None = None) -> FaultInjector:
+    def from_env(*, rank: int, attempt: int, environ: dict[str, str] | None = None,
+                 connect: Callable[[], Any] | None = None, key_prefix: str = "pipedream-ft/faults"
+                 ) -> FaultInjector:
         env = os.environ if environ is None else environ
-        return FaultInjector(parse_faults(env.get(ENV_VAR, "")), rank=rank, attempt=attempt)
+        return FaultInjector(parse_faults(env.get(ENV_VAR, "")), rank=rank, attempt=attempt, connect=connect,
+                             key_prefix=key_prefix)
 
     def __bool__(self) -> bool:
         """Whether any fault is meant for this rank (in any attempt)."""
@@ -126,9 +163,11 @@ class FaultInjector(Hooks):
 
     def at_forward(self, step: int) -> None:
         """Called as the rank starts the forward of minibatch ``step``."""
-        f = self._take(("kill", "exception", "hang", "term", "supervisor"), step)
+        f = self._take(AT_FORWARD, step)
         if f is None:
             return
+        if f.together:
+            self._meet(f)
         say(f"pipedream-ft: rank {self.rank}: injecting fault {f}", sys.stdout)
         if f.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -143,6 +182,22 @@ class FaultInjector(Hooks):
             time.sleep(60)  # this process dies with its supervisor (PR_SET_PDEATHSIG)
         else:
             os.kill(os.getpid(), signal.SIGTERM)
+
+    def _meet(self, fault: Fault, poll_s: float = 0.002) -> None:
+        """Wait until every fault tagged like ``fault`` (in its attempt) has been reached by its rank."""
+        assert self._connect is not None
+        size = self._tag_sizes[(fault.together, fault.attempt)]
+        key = f"{self._key_prefix}/{fault.attempt}/{fault.together}"
+        store = self._connect()
+        arrived = store.add(key, 1)
+        deadline = time.monotonic() + TOGETHER_WAIT_S
+        while arrived < size:
+            if time.monotonic() > deadline:
+                raise InjectedFault(f"fault {fault}: {arrived} of the {size} faults tagged together="
+                                    f"{fault.together} were reached within {TOGETHER_WAIT_S:.0f}s: a tagged fault "
+                                    f"must be at a step its rank reaches while the others wait")
+            time.sleep(poll_s)
+            arrived = store.add(key, 0)
 
     def at_drained(self) -> None:
         """Called as the rank has run the last action of a ``train`` call (``drained``)."""
