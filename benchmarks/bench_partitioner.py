@@ -95,7 +95,8 @@ def gpt_profile(n_layer: int, batch: int = 8, seq: int = 128, seed: int = 0) -> 
 
 
 def _all_tensor(profile: Profile) -> Profile:
-    layers = tuple(Layer(l.name, l.description, l.forward_ms, l.backward_ms, l.activation_bytes, l.parameter_bytes)
+    layers = tuple(Layer(l.name, l.description, l.forward_ms, l.backward_ms, l.activation_bytes, l.parameter_bytes,
+                         weight_backward_ms=l.weight_backward_ms)
                    for l in profile.layers)
     return Profile(layers, profile.edges, profile.meta, profile.tied, profile.inputs)
 

@@ -30,7 +30,7 @@ from profiler.profile import ProfileError, load_profile
 from .optimizer import partition
 from .machine import load_machine
 from .plan import Plan, PlanError
-from .schedule_choice import RUNNABLE, choose, format_ranking, rank_schedules
+from .schedule_choice import DEFAULT_WEIGHT_FRACTION, RUNNABLE, choose, format_ranking, rank_schedules
 
 __all__ = ["main", "format_plan", "layer_ranges", "FORMULAS"]
 
@@ -64,8 +64,9 @@ def _parser() -> argparse.ArgumentParser:
                          "fastest synchronous one that fits --memory")
     ap.add_argument("--microbatches", type=_MICROBATCHES, default=None,
                     help="minibatches per optimizer step for --schedule (flush_every; default 2 x stages)")
-    ap.add_argument("--weight-fraction", type=_FRACTION, default=0.5,
-                    help="share of a backward that is the weight gradient, for the split schedules (default 0.5)")
+    ap.add_argument("--weight-fraction", type=_FRACTION, default=None,
+                    help="share of every backward taken as the weight gradient, for the split schedules (default: "
+                         "as the profiler measured it, 0.5 for layers it did not)")
     ap.add_argument("-o", "--output", required=True, help="where to write the plan JSON")
     return ap
 
@@ -150,14 +151,21 @@ def _with_schedule(plan: Plan, profile: object, args: argparse.Namespace) -> tup
         if not chosen.fits:
             raise PlanError(f"schedule {chosen.name} needs {chosen.peak_memory_bytes:.4g} bytes per worker, over "
                             f"--memory {args.memory:.4g}")
-    record = {"name": chosen.name, "microbatches": m, "weight_fraction": args.weight_fraction,
+    measured = sum(layer.weight_backward_ms is not None for layer in profile.layers)  # type: ignore[attr-defined]
+    split: float | str = (args.weight_fraction if args.weight_fraction is not None
+                          else "measured" if measured == len(profile.layers)  # type: ignore[attr-defined]
+                          else DEFAULT_WEIGHT_FRACTION if measured == 0
+                          else f"measured, {DEFAULT_WEIGHT_FRACTION:g} where not")
+    record = {"name": chosen.name, "microbatches": m, "weight_fraction": split,
               "ranking": [{"name": r.name, "time_per_minibatch_s": r.time_per_minibatch_s, "bubble": r.bubble,
                            "peak_memory_bytes": r.peak_memory_bytes, "fits": r.fits} for r in ranking]}
     if chosen.name == "pipedream":
         how = "PipelineConfig(mode='stash')  (asynchronous: PipeDream's weight stashing)"
     else:
         how = f"PipelineConfig(mode='flush', schedule='{chosen.name}', flush_every={m})"
-    table = (f"schedules for {m} minibatches per step (simulated with the profile's costs):\n"
+    costs = (f"the profile's costs, backwards split {split:g} weight gradient" if isinstance(split, float)
+             else f"the profile's costs, backwards split as {split}")
+    table = (f"schedules for {m} minibatches per step (simulated with {costs}):\n"
              f"{format_ranking(ranking, chosen.name)}\ntrain with {how}")
     return dataclasses.replace(plan, settings={**plan.settings, "schedule": record}), table
 

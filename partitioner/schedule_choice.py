@@ -2,9 +2,10 @@
 
 For a plan of ``S`` stages and ``m`` minibatches per optimizer step (``flush_every``), each schedule is run on
 paper (:func:`pipedream_ft.schedules.simulate`) with each stage's costs summed from the profile's layers: ``F``
-the forward times, and the backward times split into ``I`` (input gradient) and ``W`` (weight gradient) by
-``weight_fraction`` (the profile measures whole backwards; a matrix product's two gradients cost about the same,
-hence 0.5). The predicted time per minibatch is the simulated step divided by ``m``; PipeDream's asynchronous
+the forward times, and the backward times split into ``I`` (input gradient) and ``W`` (weight gradient) as the
+profiler measured them (``weight_backward_ms``). A layer without that measurement (a profile from before it, or
+imported from PipeDream's ``graph.txt``) is split by ``weight_fraction`` (a matrix product's two gradients cost
+about the same, hence 0.5); a ``weight_fraction`` given explicitly splits every layer. The predicted time per minibatch is the simulated step divided by ``m``; PipeDream's asynchronous
 1F1B (modes ``stash``/``vertical``, which never flush) is its steady state, the slowest stage's ``F + B``.
 
 **Memory per worker** is counted as each schedule really holds it: the weights (``P``) plus the activations of
@@ -21,13 +22,13 @@ PipeDream's asynchronous 1F1B, and only those are ranked for it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from profiler.profile import Profile
 
 from .plan import Plan, PlanError
 
-__all__ = ["Ranked", "rank_schedules", "choose", "format_ranking", "RUNNABLE"]
+__all__ = ["Ranked", "rank_schedules", "choose", "format_ranking", "RUNNABLE", "DEFAULT_WEIGHT_FRACTION"]
 
 RUNNABLE = ("1f1b", "gpipe", "zb_h1", "pipedream")
 """The schedules the runtime runs one stage per rank: ``flush`` mode's three and the asynchronous modes'."""
@@ -50,28 +51,52 @@ class Ranked:
         return max(self.memory_bytes)
 
 
-def _stage_costs(plan: Plan, profile: Profile) -> tuple[list[float], list[float], list[float], list[float]]:
-    """Per stage, in seconds and bytes: forward, backward, parameters, activations per minibatch."""
+DEFAULT_WEIGHT_FRACTION = 0.5
+"""The share of a backward taken as its weight gradient where the profile did not measure it."""
+
+
+@dataclass(frozen=True, slots=True)
+class _StageCosts:
+    """Per stage, in seconds and bytes."""
+
+    forward: list[float]
+    backward: list[float]
+    weight_backward: list[float]
+    parameters: list[float]
+    activations: list[float]
+    """Per minibatch."""
+
+
+def _weight_ms(layer: Any, weight_fraction: float | None) -> float:
+    if weight_fraction is not None:
+        return layer.backward_ms * weight_fraction
+    if layer.weight_backward_ms is not None:
+        return layer.weight_backward_ms
+    return layer.backward_ms * DEFAULT_WEIGHT_FRACTION
+
+
+def _stage_costs(plan: Plan, profile: Profile, weight_fraction: float | None) -> _StageCosts:
     if len(profile.layers) != plan.num_layers:
         raise PlanError(f"the profile has {len(profile.layers)} layers, the plan {plan.num_layers}: not its profile")
-    f, b, p, a = [], [], [], []
+    out = _StageCosts([], [], [], [], [])
     for st in plan.stages:
         layers = [profile.layers[i] for i in st.layers]
-        f.append(sum(x.forward_ms for x in layers) / 1e3)
-        b.append(sum(x.backward_ms for x in layers) / 1e3)
-        p.append(sum(x.parameter_bytes for x in layers))
-        a.append(sum(x.activation_bytes for x in layers))
-    return f, b, p, a
+        out.forward.append(sum(x.forward_ms for x in layers) / 1e3)
+        out.backward.append(sum(x.backward_ms for x in layers) / 1e3)
+        out.weight_backward.append(sum(_weight_ms(x, weight_fraction) for x in layers) / 1e3)
+        out.parameters.append(sum(x.parameter_bytes for x in layers))
+        out.activations.append(sum(x.activation_bytes for x in layers))
+    return out
 
 
-def rank_schedules(plan: Plan, profile: Profile, microbatches: int, *, weight_fraction: float = 0.5,
+def rank_schedules(plan: Plan, profile: Profile, microbatches: int, *, weight_fraction: float | None = None,
                    memory_bytes: float | None = None, names: Sequence[str] | None = None) -> list[Ranked]:
     """The schedules the plan can run (or ``names``), fastest first (see the module docstring)."""
     from pipedream_ft.schedules import Costs, build, peak_in_flight, simulate
 
     if microbatches < 1:
         raise PlanError(f"microbatches must be >= 1, got {microbatches}")
-    if not 0.0 <= weight_fraction <= 1.0:
+    if weight_fraction is not None and not 0.0 <= weight_fraction <= 1.0:
         raise PlanError(f"weight_fraction must be in [0, 1], got {weight_fraction}")
     straight = all(s.replicas == 1 for s in plan.stages)
     runnable = RUNNABLE if straight else ("1f1b", "pipedream")
@@ -81,10 +106,11 @@ def rank_schedules(plan: Plan, profile: Profile, microbatches: int, *, weight_fr
             why = "" if name in RUNNABLE else f" (the runtime runs {', '.join(RUNNABLE)})"
             raise PlanError(f"schedule {name!r} cannot run this plan{why}" +
                             ("; a plan with replicated stages runs 1f1b or pipedream" if name in RUNNABLE else ""))
-    f, b, p, a = _stage_costs(plan, profile)
+    sc = _stage_costs(plan, profile, weight_fraction)
+    f, b, p, a = sc.forward, sc.backward, sc.parameters, sc.activations
     stages = plan.num_stages
-    costs = Costs(forward=f, input_backward=[x * (1 - weight_fraction) for x in b],
-                  weight_backward=[x * weight_fraction for x in b])
+    costs = Costs(forward=f, input_backward=[max(0.0, x - w) for x, w in zip(b, sc.weight_backward)],
+                  weight_backward=sc.weight_backward)
     out = []
     for name in names:
         if name == "pipedream":  # asynchronous: no flush, the slowest stage sets the pace

@@ -100,7 +100,9 @@ def merge_groups(profile: Profile, groups: Sequence[Sequence[int]]) -> tuple[Pro
         leaving = [l for i, l in zip(group, ls) if not succ[i] or any(c not in inside for c in succ[i])]
         layers.append(Layer(ls[0].name, "together: " + " + ".join(l.name for l in ls),
                             sum(l.forward_ms for l in ls), sum(l.backward_ms for l in ls),
-                            sum(l.activation_bytes for l in leaving), sum(l.parameter_bytes for l in ls)))
+                            sum(l.activation_bytes for l in leaving), sum(l.parameter_bytes for l in ls),
+                            weight_backward_ms=(sum(l.weight_backward_ms for l in ls)  # type: ignore[misc]
+                                                if all(l.weight_backward_ms is not None for l in ls) else None)))
     order = sorted(members)
     pos = {rep: k for k, rep in enumerate(order)}
     edges = {(profile.layers[owner[a]].name, profile.layers[owner[b]].name) for a, b in profile.edges

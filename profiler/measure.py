@@ -3,7 +3,10 @@
 Each layer is timed in isolation on its real inputs: the example input is first run through the whole model
 once to collect every layer's inputs, then each layer is run ``warmup + repeats`` times on fresh detached
 copies of them (floating tensors requiring grad), timing the forward pass and then
-``torch.autograd.backward`` from its outputs. Times are medians over the ``repeats`` runs. The model is run in
+``torch.autograd.backward`` from its outputs. Times are medians over the ``repeats`` runs. Each timed run is
+followed by one with the backward split as zero-bubble schedules split it (the input gradient ``I``, then the
+weight gradient ``W``): the share of ``W`` over those runs, times the whole backward's median, is the layer's
+``weight_backward_ms``. The model is run in
 training mode; its mode, gradients, buffers and device are restored afterwards.
 
 Each layer's kind comes from the output it really computes on the example input: ``"value"`` if it holds no
@@ -168,9 +171,45 @@ def _preserved(model: nn.Module, device: torch.device) -> Iterator[None]:
             m.training = training
 
 
-def _measure(call: _Call, base: dict[Any, Any], clock: _Clock, params: Sequence[nn.Parameter], warmup: int, repeats: int) -> tuple[float, float]:
+def _float_leaves(value: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(value)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+
+
+def _split_backward(call: _Call, base: dict[Any, Any], clock: _Clock, params: Sequence[nn.Parameter]
+                    ) -> tuple[float, float]:
+    """One run of the backward split as zero-bubble schedules run it: the input gradient (``I``) first, keeping
+    the graph, then the weight gradient (``W``). Their times, milliseconds."""
+    env = {k: _fresh(v) for k, v in base.items()}
+    outs = _float_leaves(call(env))
+    if not outs:
+        return 0.0, 0.0
+    grads = [torch.ones_like(t) for t in outs]
+    inputs = [t for v in env.values() for t in _float_leaves(v)]
+    weights = [p for p in params if p.requires_grad]
+    input_ms = weight_ms = 0.0
+    if inputs:
+        clock.start()
+        got = torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True)
+        input_ms = clock.stop() if any(g is not None for g in got) else 0.0  # none reached: no I to run
+    if weights:
+        for p in weights:
+            p.grad = None
+        clock.start()
+        torch.autograd.backward(outs, grad_tensors=grads, inputs=weights)
+        weight_ms = clock.stop() if any(p.grad is not None for p in weights) else 0.0
+    for p in params:
+        p.grad = None
+    return input_ms, weight_ms
+
+
+def _measure(call: _Call, base: dict[Any, Any], clock: _Clock, params: Sequence[nn.Parameter], warmup: int,
+             repeats: int) -> tuple[float, float, float]:
+    """Median forward and backward times of one layer, and the share of the backward that computes the weight
+    gradients (from a split run, see :func:`_split_backward`)."""
     forward: list[float] = []
     backward: list[float] = []
+    split: list[tuple[float, float]] = []
     for run in range(warmup + repeats):
         env = {k: _fresh(v) for k, v in base.items()}
         clock.start()
@@ -184,13 +223,16 @@ def _measure(call: _Call, base: dict[Any, Any], clock: _Clock, params: Sequence[
             clock.start()
             torch.autograd.backward(outs, grad_tensors=grads)
             bwd = clock.stop()
-        if run >= warmup:
-            forward.append(fwd)
-            backward.append(bwd)
         del env, out, leaves, outs
         for p in params:
             p.grad = None
-    return statistics.median(forward), statistics.median(backward)
+        if run >= warmup:
+            forward.append(fwd)
+            backward.append(bwd)
+            split.append(_split_backward(call, base, clock, params) if bwd > 0 else (0.0, 0.0))
+    inputs, weights = sum(i for i, _ in split), sum(w for _, w in split)
+    share = weights / (inputs + weights) if inputs + weights > 0 else 0.0
+    return statistics.median(forward), statistics.median(backward), share
 
 
 def _dtype_name(inputs: Sequence[torch.Tensor], model: nn.Module) -> str:
@@ -251,7 +293,7 @@ def profile_model(
             layers: list[Layer] = []
             for i, call in enumerate(calls):
                 base = {k: env[k] for k in keys_in[i]}
-                fwd, bwd = _measure(call, base, clock, params, warmup, repeats)
+                fwd, bwd, weight_share = _measure(call, base, clock, params, warmup, repeats)
                 layers.append(
                     Layer(
                         name=graph.names[i],
@@ -261,6 +303,7 @@ def profile_model(
                         activation_bytes=float(activation[i]),
                         parameter_bytes=float(graph.parameter_bytes[i]),
                         kind=kinds[i],
+                        weight_backward_ms=bwd * weight_share,
                     )
                 )
                 bar.update(1)

@@ -20,7 +20,8 @@ JSON format (``"format": "pipedream-ft-profile"``, ``"version": 1``)::
       "keep_together": [{"name": "model.norm + lm_head", "layers": [130, 131]}]
     }
 
-Times are per minibatch in milliseconds; sizes are bytes (``activation_bytes`` is the layer's output for one
+Times are per minibatch in milliseconds (``weight_backward_ms``, optional: the share of ``backward_ms`` that
+computes the weight gradients, for split-backward schedules); sizes are bytes (``activation_bytes`` is the layer's output for one
 minibatch: the bytes of the tensors in it). Edges index into ``layers``.
 
 Each layer has a ``kind`` (optional in JSON, default ``"tensor"``): a ``"value"`` layer is one whose output holds
@@ -96,9 +97,13 @@ class Layer:
     """Bytes of this layer's own parameters."""
     kind: str = "tensor"
     """``"tensor"`` or ``"value"`` (its output holds no tensor; see the module docstring)."""
+    weight_backward_ms: float | None = None
+    """The part of ``backward_ms`` that computes the weight gradients (``W`` of a split backward; the rest,
+    ``backward_ms - weight_backward_ms``, is the input gradient ``I``). ``None``: not measured."""
 
     def __post_init__(self) -> None:
-        for key in ("forward_ms", "backward_ms", "activation_bytes", "parameter_bytes"):
+        keys = ("forward_ms", "backward_ms", "activation_bytes", "parameter_bytes")
+        for key in keys + (("weight_backward_ms",) if self.weight_backward_ms is not None else ()):
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ProfileError(f"layer {self.name!r}: {key} must be a number, got {value!r}")
@@ -108,6 +113,9 @@ class Layer:
             if value > limit:
                 raise ProfileError(f"layer {self.name!r}: {key} is {value!r}, beyond any real layer "
                                    f"(at most {limit:.3g}{' ms' if key.endswith('_ms') else ' bytes'})")
+        if self.weight_backward_ms is not None and self.weight_backward_ms > self.backward_ms * (1 + 1e-9):
+            raise ProfileError(f"layer {self.name!r}: weight_backward_ms ({self.weight_backward_ms!r}) is part of "
+                               f"backward_ms ({self.backward_ms!r}) and cannot exceed it")
         if self.kind not in KINDS:
             raise ProfileError(f"layer {self.name!r}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.kind == "value" and self.activation_bytes != 0:
@@ -346,6 +354,7 @@ class Profile:
                     "activation_bytes": l.activation_bytes,
                     "parameter_bytes": l.parameter_bytes,
                     "kind": l.kind,
+                    **({"weight_backward_ms": l.weight_backward_ms} if l.weight_backward_ms is not None else {}),
                 }
                 for l in self.layers
             ],
@@ -397,6 +406,8 @@ class Profile:
                         activation_bytes=_number(raw, "activation_bytes", where),
                         parameter_bytes=_number(raw, "parameter_bytes", where),
                         kind=str(raw.get("kind", "tensor")),
+                        weight_backward_ms=(_number(raw, "weight_backward_ms", where)
+                                            if raw.get("weight_backward_ms") is not None else None),
                     )
                 )
             except KeyError as exc:

@@ -262,3 +262,21 @@ def test_tied_groups_and_inputs_of_a_measured_gpt() -> None:
     assert s.tied == p.tied and s.structure_hash() == p.structure_hash()
     assert [(i.name, i.readers) for i in s.inputs] == [(i.name, i.readers) for i in p.inputs]
     assert p.inputs[0].bytes == 2 * 8 * 8 and s.inputs[0].bytes == 0
+
+
+def test_the_backward_is_split_into_its_weight_and_input_gradients() -> None:
+    """``weight_backward_ms``: all of the backward of a layer whose input needs no gradient (token ids), none of
+    one without weights (or with frozen ones), a part of one with both."""
+    frozen = nn.Linear(16, 16)
+    frozen.requires_grad_(False)
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16), frozen)
+    p = profile_model(model, torch.randint(0, 50, (32, 8)), **FAST)
+    for layer in p.layers:
+        assert layer.weight_backward_ms is not None and 0 <= layer.weight_backward_ms <= layer.backward_ms
+    embedding, first, relu, second, still = p.layers
+    assert embedding.weight_backward_ms == embedding.backward_ms > 0
+    assert relu.weight_backward_ms == 0 and relu.backward_ms > 0
+    assert still.weight_backward_ms == 0 and still.backward_ms > 0
+    for linear in (first, second):
+        assert 0 < linear.weight_backward_ms < linear.backward_ms
+    assert Profile.from_json(json.loads(json.dumps(p.to_json()))) == p

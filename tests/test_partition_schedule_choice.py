@@ -94,3 +94,30 @@ def test_the_command_line_records_the_choice_and_says_how_to_train_with_it(tmp_p
     assert err == ["pipedream-partition: error: --schedule must be auto or one of 1f1b, gpipe, zb_h1, pipedream, "
                    "got 'looped_bfs'"]
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_backward_split_is_the_profiles_where_measured_and_the_fraction_where_not(tmp_path: Path, capsys):
+    measured = Profile(tuple(Layer(str(i), "Linear", 1.0, 2.0, A, P, weight_backward_ms=0.5) for i in range(8)),
+                       _profile().edges)
+    plan = partition(measured, 4, 1e12, straight=True)
+    unsplit = _profile()
+    zb = {w: _by_name(rank_schedules(plan, unsplit, 8, weight_fraction=w))["zb_h1"].time_per_minibatch_s
+          for w in (0.25, 0.5)}
+    assert zb[0.25] > zb[0.5]  # less weight gradient to fill the bubble with
+    assert _by_name(rank_schedules(plan, measured, 8))["zb_h1"].time_per_minibatch_s == pytest.approx(zb[0.25])
+    assert _by_name(rank_schedules(plan, unsplit, 8))["zb_h1"].time_per_minibatch_s == pytest.approx(zb[0.5])
+    # given explicitly, the fraction splits every layer, measured or not
+    assert _by_name(rank_schedules(plan, measured, 8, weight_fraction=0.5))["zb_h1"].time_per_minibatch_s == \
+        pytest.approx(zb[0.5])
+    # 1F1B runs whole backwards: the split does not change it
+    assert _by_name(rank_schedules(plan, measured, 8))["1f1b"].time_per_minibatch_s == \
+        pytest.approx(_by_name(rank_schedules(plan, unsplit, 8))["1f1b"].time_per_minibatch_s)
+    half = Profile(measured.layers[:4] + unsplit.layers[4:], measured.edges)
+    for profile, said, recorded in [(measured, "backwards split as measured", "measured"),
+                                    (unsplit, "backwards split 0.5 weight gradient", 0.5),
+                                    (half, "backwards split as measured, 0.5 where not", "measured, 0.5 where not")]:
+        profile.save(tmp_path / "prof.json")
+        assert main([str(tmp_path / "prof.json"), "-n", "4", "-b", "1e12", "--straight", "--schedule", "zb_h1",
+                     "--microbatches", "8", "-o", str(tmp_path / "plan.json")]) == 0
+        assert said in capsys.readouterr().out
+        assert json.loads((tmp_path / "plan.json").read_text())["settings"]["schedule"]["weight_fraction"] == recorded

@@ -290,3 +290,20 @@ def test_value_layer_needs_zero_activation() -> None:
     with pytest.raises(ProfileError, match="value layer"):
         Layer("n", "size", 0.0, 0.0, 4.0, 0.0, kind="value")
     assert Layer("n", "size", 0.0, 0.0, 0.0, 0.0, kind="value").kind == "value"
+
+
+def test_the_weight_gradient_share_round_trips_is_optional_and_checked(tmp_path: Path) -> None:
+    split = Profile((Layer("a", "", 1.0, 2.0, 4.0, 8.0, weight_backward_ms=1.5), Layer("b", "", 1.0, 2.0, 4.0, 8.0)),
+                    ((0, 1),))
+    doc = split.to_json()
+    assert doc["layers"][0]["weight_backward_ms"] == 1.5 and "weight_backward_ms" not in doc["layers"][1]
+    assert Profile.from_json(json.loads(json.dumps(doc))) == split
+    unsplit = Profile((Layer("a", "", 1.0, 2.0, 4.0, 8.0), split.layers[1]), split.edges)
+    assert split.structure_hash() == unsplit.structure_hash()  # a measurement, not the model's structure
+    with pytest.raises(ProfileError, match=r"weight_backward_ms \(2\.5\) is part of backward_ms \(2\.0\)"):
+        Layer("a", "", 1.0, 2.0, 4.0, 8.0, weight_backward_ms=2.5)
+    with pytest.raises(ProfileError, match="weight_backward_ms must be finite and >= 0"):
+        Layer("a", "", 1.0, 2.0, 4.0, 8.0, weight_backward_ms=-1.0)
+    doc["layers"][0]["weight_backward_ms"] = "fast"
+    with pytest.raises(ProfileError, match=r"layers\[0\].*'weight_backward_ms' must be a number, got 'fast'"):
+        Profile.from_json(doc)

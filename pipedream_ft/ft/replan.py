@@ -100,7 +100,9 @@ def corrected_profile(profile: Profile, plan: Plan, measured: dict[int, float]) 
         factor = seconds / predicted
         for i in stage.layers:
             layer = layers[i]
-            layers[i] = replace(layer, forward_ms=layer.forward_ms * factor, backward_ms=layer.backward_ms * factor)
+            weight = layer.weight_backward_ms * factor if layer.weight_backward_ms is not None else None
+            layers[i] = replace(layer, forward_ms=layer.forward_ms * factor, backward_ms=layer.backward_ms * factor,
+                                weight_backward_ms=weight)
     return Profile(tuple(layers), profile.edges, dict(profile.meta), tied=profile.tied, inputs=profile.inputs,
                    keep_together=profile.keep_together)
 
