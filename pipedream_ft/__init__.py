@@ -13,7 +13,8 @@ Typical use, in a script launched by ``torchrun``::
 from partitioner.plan import Plan, PlanError, load_plan
 
 from .env import DistEnv, read_env
-from .errors import JobError, PipelineError, PipelineSetupError, exit_on_error
+from .errors import JobError, PipelineError, PipelineSetupError
+from .reporting import exit_on_error
 from .ft.checkpointer import CheckpointConfig, Preempted
 from .ft.coordination import init_distributed, shutdown
 from .ft.replan import RePlanPolicy

@@ -7,6 +7,9 @@ A supervisor (:func:`pipedream_ft.launch`) sets ``PIPEDREAM_FT_RECOVERY``, ``PIP
 ``PIPEDREAM_FT_ROUND`` and ``PIPEDREAM_FT_SUPERVISOR`` for the process it starts. The user may set
 ``PIPEDREAM_FT_LOG_DIR`` (where a crashed process's traceback goes, see :mod:`pipedream_ft.crashlog`).
 Every field can be overridden by keyword, so tests and notebooks need no environment at all.
+
+The user's other settings are read through :func:`setting`, by name from :data:`SETTINGS` (the defaults of
+:class:`~pipedream_ft.PipelineConfig`'s fields, the job's secret, fault injection for drills).
 """
 
 from __future__ import annotations
@@ -15,7 +18,26 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
-__all__ = ["DistEnv", "read_env"]
+__all__ = ["DistEnv", "SETTINGS", "read_env", "setting"]
+
+SETTINGS = {
+    "PIPEDREAM_FT_HEALTH_FILE": "a file refreshed while the rank makes progress (PipelineConfig.health_file)",
+    "PIPEDREAM_FT_TRACE_DIR": "where each rank writes its timeline trace (PipelineConfig.trace_dir)",
+    "PIPEDREAM_FT_METRICS_DIR": "where each rank writes its metrics lines (PipelineConfig.metrics_dir)",
+    "PIPEDREAM_FT_SECRET": "the job's secret, signing its store keys and memory-tier parts (ft/secret.py)",
+    "PIPEDREAM_FT_FAULTS": "faults to inject, for tests and drills (ft/faults.py)",
+    "XDG_RUNTIME_DIR": "this user's private runtime directory, home of the job's key (ft/secret.py)",
+}
+"""The environment variables :func:`setting` reads, and what each is for."""
+
+
+def setting(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The value of setting ``name`` (one of :data:`SETTINGS`) in ``environ`` (default ``os.environ``); ``None``
+    if unset or empty."""
+    if name not in SETTINGS:
+        raise KeyError(f"unknown setting {name!r}: expected one of {', '.join(SETTINGS)}")
+    value = (os.environ if environ is None else environ).get(name)
+    return value or None
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -1,35 +1,14 @@
-"""Error types of the runtime, and a wrapper that turns them into one clear line and an exit status."""
+"""Error types of the runtime, each carrying the exit status it ends a process with (the bottom layer: it imports
+nothing of the library; :mod:`pipedream_ft.reporting` turns them into one line and that status)."""
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, ClassVar
 
 __all__ = ["EXIT_PREEMPTED", "EXIT_RECOVERY_FAILED", "EXIT_REPLAN", "EXIT_RUNTIME", "EXIT_SETUP", "InvalidArgument",
-           "JobError", "PipelineError", "PipelineSetupError", "exit_on_error", "mark_training", "run_reporting_errors",
-           "say", "training_begun"]
-
-
-class PipelineError(RuntimeError):
-    """Training cannot go on."""
-
-
-class PipelineSetupError(PipelineError):
-    """The pipeline cannot start: the same message is raised on every rank before training begins."""
-
-
-class InvalidArgument(PipelineSetupError, ValueError):
-    """A bad argument to a public call (e.g. ``trainer.fit``'s ``total``): the same on every rank, so a set-up
-    error (one line, :data:`EXIT_SETUP`, never a replacement); still a ``ValueError`` for callers that catch one."""
-
-
-class JobError(PipelineSetupError):
-    """An error found by one rank while training that would happen again after any recovery (a data source
-    that ended, a minibatch of the wrong kind): the rank publishes it to the group and every rank stops with
-    the same message and :data:`EXIT_SETUP`, instead of recovering from it."""
-
+           "JobError", "PipelineError", "PipelineSetupError", "mark_training", "say", "training_begun"]
 
 EXIT_RUNTIME = 1
 """Exit status of a runtime failure (a dead or stuck peer, a failed checkpoint, an error in user code)."""
@@ -41,6 +20,31 @@ EXIT_RECOVERY_FAILED = 4
 """Exit status when the group could not be formed again in place (a full restart is needed)."""
 EXIT_REPLAN = 5
 """Exit status at a re-planning cut: the processes start again on the new plan (see :mod:`pipedream_ft.ft.replan`)."""
+
+
+class PipelineError(RuntimeError):
+    """Training cannot go on."""
+
+    exit_code: ClassVar[int] = EXIT_RUNTIME
+    """The status a process that stops on this error exits with; a subclass with :data:`EXIT_SETUP` is the same
+    on every rank, so only rank 0 reports it."""
+
+
+class PipelineSetupError(PipelineError):
+    """The pipeline cannot start: the same message is raised on every rank before training begins."""
+
+    exit_code: ClassVar[int] = EXIT_SETUP
+
+
+class InvalidArgument(PipelineSetupError, ValueError):
+    """A bad argument to a public call (e.g. ``trainer.fit``'s ``total``): the same on every rank, so a set-up
+    error (one line, :data:`EXIT_SETUP`, never a replacement); still a ``ValueError`` for callers that catch one."""
+
+
+class JobError(PipelineSetupError):
+    """An error found by one rank while training that would happen again after any recovery (a data source
+    that ended, a minibatch of the wrong kind): the rank publishes it to the group and every rank stops with
+    the same message and :data:`EXIT_SETUP`, instead of recovering from it."""
 
 
 _TRAINING = False
@@ -72,62 +76,3 @@ def say(line: str, stream: Any = None) -> None:
     stream.flush()
     while data:
         data = data[os.write(fd, data):]
-
-
-def run_reporting_errors(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[int, Any]:
-    """Call ``fn``; return ``(0, its result)``, or ``(exit status, None)`` after printing one line for a known error.
-
-    Set-up errors are the same on every rank, so only rank 0 prints them (:data:`EXIT_SETUP`). Runtime failures
-    print on every rank that sees them, so that torchrun's log names the rank and the operation
-    (:data:`EXIT_RUNTIME`, :data:`EXIT_PREEMPTED`, :data:`EXIT_RECOVERY_FAILED`). Other exceptions propagate.
-    """
-    from partitioner.plan import PlanError
-    from profiler.profile import ProfileError
-
-    from .checkpoint import CheckpointError
-    from .ft.checkpointer import Preempted
-    from .ft.recovery import RecoveryFailed
-    from .ft.replan import RePlanned
-    from .pipeline.comm import PeerTimeoutError, ShapeMismatchError
-    from torch.distributed import DistError
-
-    rank = os.environ.get("RANK", "0")
-    try:
-        return 0, fn(*args, **kwargs)
-    except (PipelineSetupError, PlanError, ProfileError, ShapeMismatchError, CheckpointError) as exc:
-        if rank == "0":
-            say(f"pipedream-ft: error: {exc}")
-        return EXIT_SETUP, None
-    except (PipelineError, PeerTimeoutError) as exc:
-        say(f"pipedream-ft: rank {rank}: {exc}")
-        if isinstance(exc, Preempted):
-            return EXIT_PREEMPTED, None
-        if isinstance(exc, RecoveryFailed):
-            return EXIT_RECOVERY_FAILED, None
-        if isinstance(exc, RePlanned):
-            return EXIT_REPLAN, None
-        return EXIT_RUNTIME, None
-    except DistError as exc:  # the job's store or a process group failed (a peer or torchrun's agent went away)
-        say(f"pipedream-ft: rank {rank}: {type(exc).__name__}: {_first_line(exc)}")
-        return EXIT_RUNTIME, None
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    return lines[0].strip() if lines else type(exc).__name__
-
-
-def exit_on_error(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call ``fn``; on a known error print one line to stderr and exit non-zero instead of a traceback
-    (see :func:`run_reporting_errors`). Either way, the process groups of every open trainer are shut down
-    first, so that no backend thread outlives the interpreter."""
-    from .trainer import release_all
-
-    try:
-        code, result = run_reporting_errors(fn, *args, **kwargs)
-    finally:
-        release_all()
-    if code:
-        logging.shutdown()
-        sys.exit(code)
-    return result

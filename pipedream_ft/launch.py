@@ -31,7 +31,8 @@ from typing import Any, Callable, NoReturn
 
 from .crashlog import crashed
 from .env import read_env
-from .errors import EXIT_RUNTIME, EXIT_SETUP, run_reporting_errors
+from .errors import EXIT_RUNTIME, EXIT_SETUP
+from .reporting import run_reporting_errors
 
 __all__ = ["RECOVERY_MODES", "launch"]
 

@@ -27,7 +27,6 @@ import gc
 import hashlib
 import json
 import logging
-import os
 import sys
 import time
 import weakref
@@ -41,7 +40,7 @@ from partitioner.plan import Plan, PlanError
 from profiler.profile import Profile
 
 from .checkpoint import Storage
-from .env import DistEnv, read_env
+from .env import DistEnv, read_env, setting
 from .errors import InvalidArgument, JobError, PipelineSetupError, mark_training, say
 from .ft.checkpointer import CheckpointConfig, Checkpointer, plan_hash
 from .ft.inplace import InPlace
@@ -117,11 +116,11 @@ class PipelineConfig:
     """Longest wait for a peer (a transfer, an all-reduce) before the rank fails naming it."""
     watchdog_s: float | None = 60.0
     """Fail the rank if it makes no progress at all for this long (``None``: no watchdog)."""
-    health_file: str | None = field(default_factory=lambda: os.environ.get("PIPEDREAM_FT_HEALTH_FILE"))
+    health_file: str | None = field(default_factory=lambda: setting("PIPEDREAM_FT_HEALTH_FILE"))
     """Refreshed while the rank makes progress (for liveness probes); default ``$PIPEDREAM_FT_HEALTH_FILE``."""
-    trace_dir: str | None = field(default_factory=lambda: os.environ.get("PIPEDREAM_FT_TRACE_DIR"))
+    trace_dir: str | None = field(default_factory=lambda: setting("PIPEDREAM_FT_TRACE_DIR"))
     """Write this rank's timeline (Chrome/Perfetto trace) here; default ``$PIPEDREAM_FT_TRACE_DIR``."""
-    metrics_dir: str | None = field(default_factory=lambda: os.environ.get("PIPEDREAM_FT_METRICS_DIR"))
+    metrics_dir: str | None = field(default_factory=lambda: setting("PIPEDREAM_FT_METRICS_DIR"))
     """Write this rank's metrics (JSON lines, one per update) here; default ``$PIPEDREAM_FT_METRICS_DIR``."""
     progress: bool = True
     """A progress bar on rank 0 (only when stderr is a terminal)."""

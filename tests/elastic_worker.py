@@ -70,6 +70,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from pipedream_ft.errors import exit_on_error
+    from pipedream_ft.reporting import exit_on_error
 
     exit_on_error(main)

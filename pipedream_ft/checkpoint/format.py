@@ -27,10 +27,11 @@ import json
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 
+from ..errors import EXIT_SETUP
 from .checksum import parse_checksum
 
 __all__ = [
@@ -99,6 +100,8 @@ _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read (storage unusable, incompatible or missing checkpoint)."""
+
+    exit_code: ClassVar[int] = EXIT_SETUP
 
 
 class CorruptCheckpointError(CheckpointError):

@@ -54,7 +54,7 @@ from ..checkpoint.storage import Buffers
 from ..checkpoint.tiers import Tier
 from ..checkpoint.snapshot import immutable
 from ..checkpoint.tiers import TierWriter
-from ..errors import JobError, PipelineError, PipelineSetupError, say
+from ..errors import EXIT_PREEMPTED, JobError, PipelineError, PipelineSetupError, say
 from ..pipeline.executor import CUT, DURABLE, REPLAN, STOP
 from ..pipeline.group import CommGroup
 from ..pipeline.hooks import Hooks
@@ -73,6 +73,8 @@ log = logging.getLogger(__name__)
 
 class Preempted(PipelineError):
     """A preemption notice (SIGTERM) arrived; the emergency checkpoint is committed and the rank stops."""
+
+    exit_code = EXIT_PREEMPTED
 
 
 @dataclass(kw_only=True, slots=True)

@@ -42,6 +42,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..env import read_env, setting
 from ..errors import say
 from ..pipeline.hooks import Hooks
 from ..pipeline.schedule import Action
@@ -142,8 +143,7 @@ class FaultInjector(Hooks):
     def from_env(*, rank: int, attempt: int, environ: dict[str, str] | None = None,
                  connect: Callable[[], Any] | None = None, key_prefix: str = "pipedream-ft/faults"
                  ) -> FaultInjector:
-        env = os.environ if environ is None else environ
-        return FaultInjector(parse_faults(env.get(ENV_VAR, "")), rank=rank, attempt=attempt, connect=connect,
+        return FaultInjector(parse_faults(setting(ENV_VAR, environ) or ""), rank=rank, attempt=attempt, connect=connect,
                              key_prefix=key_prefix)
 
     def __bool__(self) -> bool:
@@ -176,7 +176,7 @@ class FaultInjector(Hooks):
         elif f.kind == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif f.kind == "supervisor":
-            if not os.environ.get("PIPEDREAM_FT_SUPERVISOR"):
+            if not read_env().supervisor:
                 raise InjectedFault(f"{f}: this process has no supervisor (in-place recovery under launch only)")
             os.kill(os.getppid(), signal.SIGKILL)
             time.sleep(60)  # this process dies with its supervisor (PR_SET_PDEATHSIG)

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ..env import DistEnv
-from ..errors import PipelineError
+from ..errors import EXIT_RECOVERY_FAILED, PipelineError
 from .coordination import FAILED, FORMED, KEY_HEARTBEAT, LiveGroup
 
 __all__ = ["Formed", "Heartbeat", "Membership", "RecoveryFailed", "store_connection"]
@@ -51,6 +51,8 @@ _KEY_ENDED = KEY_HEARTBEAT + "/ended"
 class RecoveryFailed(PipelineError):
     """The group could not be formed again (a rank never came back, nothing every rank can restore, or a
     replacement that does not match); the processes stop and a full restart (torchrun) takes over."""
+
+    exit_code = EXIT_RECOVERY_FAILED
 
 
 @dataclass(frozen=True, slots=True)

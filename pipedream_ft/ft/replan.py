@@ -26,7 +26,7 @@ from partitioner.plan import Plan, PlanError
 from profiler.profile import Profile
 
 from ..checkpoint import Storage
-from ..errors import PipelineError
+from ..errors import EXIT_REPLAN, PipelineError
 from .elastic import describe_plan, replan
 
 __all__ = ["RePlanPolicy", "RePlanned", "corrected_profile", "plan_time", "load_replanned", "store_replanned",
@@ -40,6 +40,8 @@ REPLANS = "replans"
 
 class RePlanned(PipelineError):
     """The job stops at a checkpoint cut to continue on a better plan."""
+
+    exit_code = EXIT_REPLAN
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ import time
 from typing import Any
 
 from ..checkpoint.private import check_private
+from ..env import setting
 from ..errors import PipelineSetupError
 
 __all__ = ["ENV_SECRET", "KEY_SECRET", "SecretError", "default_key_dir", "job_secret", "key_from_secret",
@@ -67,7 +68,7 @@ class SecretError(PipelineSetupError):
 
 def default_key_dir() -> str:
     """This user's private key directory (see the module docstring)."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    runtime = setting("XDG_RUNTIME_DIR")
     if runtime and os.path.isdir(runtime):
         return os.path.join(runtime, "pipedream-ft")
     return f"/dev/shm/pipedream-ft-keys-{os.getuid()}"
@@ -134,7 +135,7 @@ def job_secret(*, job_id: str | None, store: Any, single_node: bool, store_outli
         secret: overrides ``$PIPEDREAM_FT_SECRET``.
         key_dir: overrides :func:`default_key_dir`.
     """
-    raw = secret if secret is not None else os.environ.get(ENV_SECRET)
+    raw = secret if secret is not None else setting(ENV_SECRET)
     if raw is not None and raw != "":
         if len(raw) < MIN_SECRET_CHARS:
             raise SecretError(f"{ENV_SECRET} must have at least {MIN_SECRET_CHARS} characters, got {len(raw)}")

@@ -25,10 +25,11 @@ import pickle
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 
+from ..errors import EXIT_SETUP
 from .group import CommGroup, PeerTimeoutError, backend_reason
 
 __all__ = ["TensorSpec", "Header", "PeerTimeoutError", "ShapeMismatchError", "Messenger", "RecvHandle"]
@@ -49,6 +50,8 @@ _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 
 class ShapeMismatchError(ValueError):
     """Tensors crossing a stage boundary changed dtype or shape, or do not fit what the receiver expects."""
+
+    exit_code: ClassVar[int] = EXIT_SETUP
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,16 +20,20 @@ import pickle
 import re
 import threading
 from datetime import timedelta
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+
+from ..errors import EXIT_RUNTIME
 
 __all__ = ["CommGroup", "GroupError", "PeerTimeoutError", "backend_reason"]
 
 
 class PeerTimeoutError(RuntimeError):
     """A transfer or collective with a peer failed or did not complete within the timeout."""
+
+    exit_code: ClassVar[int] = EXIT_RUNTIME
 
 
 class GroupError(PeerTimeoutError):

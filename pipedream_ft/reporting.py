@@ -1,0 +1,91 @@
+"""How a process that stops on an error says so: one line, and the exit status the error carries.
+
+Every error type of the library carries its exit status (``exit_code``: :data:`~pipedream_ft.errors.EXIT_SETUP`
+for what is the same on every rank, others for runtime failures, see :mod:`pipedream_ft.errors`); the planning
+packages' errors (a bad plan or profile) and the job's store or a process group failing (``DistError``) are
+mapped here. Set-up errors print once, from rank 0; runtime failures from every rank that sees them, so that
+torchrun's log names the rank and the operation. Any other exception propagates (:mod:`pipedream_ft.launch` and
+:mod:`pipedream_ft.crashlog` report it with its traceback kept in a file).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Callable
+
+from torch.distributed import DistError
+
+from partitioner.plan import PlanError
+from profiler.profile import ProfileError
+
+from .checkpoint import CheckpointError
+from .env import read_env
+from .errors import EXIT_RUNTIME, EXIT_SETUP, PipelineError, say
+from .pipeline.comm import PeerTimeoutError, ShapeMismatchError
+
+__all__ = ["exit_code_of", "run_reporting_errors", "exit_on_error"]
+
+_CARRIERS = (PipelineError, CheckpointError, ShapeMismatchError, PeerTimeoutError)
+"""The library's error types: each carries its exit status."""
+_PLANNING = (PlanError, ProfileError)
+"""Errors of the torch-free planning packages: the same on every rank."""
+
+
+def exit_code_of(exc: BaseException) -> int | None:
+    """The exit status ``exc`` stops a process with, or ``None`` if it is not a known error."""
+    if isinstance(exc, _CARRIERS):
+        return type(exc).exit_code
+    if isinstance(exc, _PLANNING):
+        return EXIT_SETUP
+    if isinstance(exc, DistError):
+        return EXIT_RUNTIME
+    return None
+
+
+def _rank() -> int:
+    try:
+        return read_env().rank
+    except ValueError:  # a broken environment is reported by whatever read it first; name no rank twice
+        return 0
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0].strip() if lines else type(exc).__name__
+
+
+def run_reporting_errors(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[int, Any]:
+    """Call ``fn``; return ``(0, its result)``, or ``(exit status, None)`` after printing one line for a known error
+    (see the module docstring). Other exceptions propagate."""
+    try:
+        return 0, fn(*args, **kwargs)
+    except BaseException as exc:
+        code = exit_code_of(exc)
+        if code is None:
+            raise
+        rank = _rank()
+        if code == EXIT_SETUP:
+            if rank == 0:
+                say(f"pipedream-ft: error: {exc}")
+        elif isinstance(exc, DistError):  # the job's store or a process group failed (a peer or the agent went)
+            say(f"pipedream-ft: rank {rank}: {type(exc).__name__}: {_first_line(exc)}")
+        else:
+            say(f"pipedream-ft: rank {rank}: {exc}")
+        return code, None
+
+
+def exit_on_error(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn``; on a known error print one line to stderr and exit non-zero instead of a traceback
+    (see :func:`run_reporting_errors`). Either way, the process groups of every open trainer are shut down
+    first, so that no backend thread outlives the interpreter."""
+    from .trainer import release_all  # the trainer imports most of the library: only when a script ends
+
+    try:
+        code, result = run_reporting_errors(fn, *args, **kwargs)
+    finally:
+        release_all()
+    if code:
+        logging.shutdown()
+        sys.exit(code)
+    return result
