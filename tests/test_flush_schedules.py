@@ -12,9 +12,13 @@ import torch
 from dist_helpers import run_world
 from feature_cases import MODELS, ToyData, feature_case, minibatch_reference, sequential_data
 from pipedream_ft import PipelineConfig
+from pipedream_ft.observe.plot import WEIGHT_COLOR
+from pipedream_ft.observe.timeline import merge_traces, trace_files
+from pipedream_ft.observe.timeline_cli import main as timeline_main
 from pipedream_ft.pipeline.modes import Flush
 from pipedream_ft.pipeline.schedule import Action, ScheduleError, simulate, synchronous
 from pipedream_reference import minibatch_sgd_reference
+from test_timeline import hex_rgb, png_colours
 from runtime_cases import OPTIMIZERS, gpt_case, gpt_plan, lm_data, lm_loss, tiny_gpt
 from partitioner.plan import PlanError
 
@@ -52,10 +56,20 @@ def test_zb_h1_with_a_scheduler_and_global_clipping_is_minibatch_sgd():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_zb_h1_run_checkpoints_and_resumes_bitwise(tmp_path):
+def test_a_zb_h1_run_checkpoints_and_resumes_bitwise_and_its_timeline_shows_each_weight_gradient(tmp_path):
     base = {"stages": MLP4, "mode": "flush", "schedule": "zb_h1", "flush_every": 4, "total": 24, "opt": "adam"}
     url = str(tmp_path / "ckpt")
-    straight = run_world(feature_case, 4, base)[0][1]
+    traces = tmp_path / "traces"
+    straight = run_world(feature_case, 4, base, env={"PIPEDREAM_FT_TRACE_DIR": str(traces)})[0][1]
+    events = [e for e in merge_traces(trace_files(traces))["traceEvents"] if e.get("ph") == "X"]
+    for rank in range(4):
+        mine = sorted((e for e in events if e["pid"] == rank), key=lambda e: e["ts"])
+        order = [e["name"] for e in mine if e["cat"] in ("backward", "weight")]
+        assert sorted(n for n in order if n[0] == "W") == sorted(f"W{b}" for b in range(24)), (rank, order)
+        assert all(order.index(f"B{b}") < order.index(f"W{b}") for b in range(24)), (rank, order)
+    png = tmp_path / "zb.png"
+    assert timeline_main([str(traces), "-o", str(png)]) == 0
+    assert hex_rgb(WEIGHT_COLOR) in png_colours(png)
     run_world(feature_case, 4, {**base, "url": url, "every": 8, "stop_at": 12})
     resumed = run_world(feature_case, 4, {**base, "url": url, "every": 8})[0][1]
     assert resumed["resumed"] == 8

@@ -32,6 +32,9 @@ class TimelineHook(Hooks):
     def on_backward(self, minibatch: int, start: float, end: float) -> None:
         self.recorder.complete(f"B{minibatch}", "backward", start, end, minibatch=minibatch, replica=self.replica)
 
+    def on_weight_backward(self, minibatch: int, start: float, end: float) -> None:
+        self.recorder.complete(f"W{minibatch}", "weight", start, end, minibatch=minibatch, replica=self.replica)
+
     def on_update(self, round_: int, done: int, start: float, end: float) -> None:
         self.recorder.complete(f"U{round_}", "update", start, end, round=round_, replica=self.replica)
 

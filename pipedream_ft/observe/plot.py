@@ -1,7 +1,8 @@
 """Draw a merged timeline (see :mod:`pipedream_ft.observe.timeline`) as a PNG, like the PipeDream paper's pipeline figures.
 
 One row per rank, time running to the right in seconds from the first event: forward passes in blue, backward
-passes in green (each labelled with its minibatch number where the box is wide enough), weight updates as
+passes in green (the input half of a split backward too; its weight half in purple), each labelled with its
+minibatch number where the box is wide enough, weight updates as
 small dark boxes, checkpoints as an orange hatched band at the foot of the row, receive waits in light grey
 behind everything, and a red dashed line across all rows at the start of every restarted attempt.
 
@@ -22,6 +23,7 @@ from typing import Any
 __all__ = [
     "FORWARD_COLOR",
     "BACKWARD_COLOR",
+    "WEIGHT_COLOR",
     "UPDATE_COLOR",
     "CHECKPOINT_COLOR",
     "WAIT_COLOR",
@@ -35,6 +37,7 @@ __all__ = [
 
 FORWARD_COLOR = "#4c72b0"
 BACKWARD_COLOR = "#55a868"
+WEIGHT_COLOR = "#8172b2"
 UPDATE_COLOR = "#2f2f2f"
 CHECKPOINT_COLOR = "#f28e2b"
 WAIT_COLOR = "#d9d9d9"
@@ -150,7 +153,7 @@ def summarize(trace: dict[str, Any]) -> TraceSummary:
             stages.add(stage)
         attempt = _int(args.get("attempt"))
         attempts.add(attempt if attempt is not None else _int(e.get("tid")) or 0)
-        if e.get("cat") in ("forward", "backward") and (b := _int(args.get("minibatch"))) is not None:
+        if e.get("cat") in ("forward", "backward", "weight") and (b := _int(args.get("minibatch"))) is not None:
             s.minibatches.add(b)
     s.ranks, s.stages, s.attempts = sorted(ranks), sorted(stages), sorted(attempts)
     s.restarts = _restarts(events)
@@ -262,11 +265,11 @@ def draw_timeline(trace: dict[str, Any], path: str | os.PathLike[str], *, width_
         if e.get("ph") != "X" or (pid := _int(e.get("pid"))) not in row:
             continue
         cat = e.get("cat")
-        if cat not in ("forward", "backward", "update", "checkpoint", "wait"):
+        if cat not in ("forward", "backward", "weight", "update", "checkpoint", "wait"):
             continue
         x, w = (float(e["ts"]) - t0) / 1e6, float(e.get("dur") or 0.0) / 1e6
         boxes[(pid, cat)].append((x, w))
-        if cat in ("forward", "backward"):
+        if cat in ("forward", "backward", "weight"):
             b = _int((e.get("args") or {}).get("minibatch"))
             texts.append((x, w, row[pid], str(b) if b is not None else str(e.get("name", ""))))
 
@@ -274,12 +277,13 @@ def draw_timeline(trace: dict[str, Any], path: str | os.PathLike[str], *, width_
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     # y bands inside a row (row i spans [i, i + 1], drawn top to bottom)
-    bands = {"wait": (0.38, 0.24), "forward": (0.08, 0.72), "backward": (0.08, 0.72),
+    bands = {"wait": (0.38, 0.24), "forward": (0.08, 0.72), "backward": (0.08, 0.72), "weight": (0.08, 0.72),
              "update": (0.26, 0.36), "checkpoint": (0.82, 0.16)}
     style: dict[str, dict[str, Any]] = {
         "wait": {"facecolors": WAIT_COLOR, "linewidth": 0, "zorder": 1},
         "forward": {"facecolors": FORWARD_COLOR, "zorder": 2},
         "backward": {"facecolors": BACKWARD_COLOR, "zorder": 2},
+        "weight": {"facecolors": WEIGHT_COLOR, "zorder": 2},
         "update": {"facecolors": UPDATE_COLOR, "linewidth": 0, "zorder": 3},
         "checkpoint": {"facecolors": CHECKPOINT_COLOR, "edgecolors": "#8a4b0f", "hatch": "////", "linewidth": 0.5,
                        "zorder": 4},
@@ -291,10 +295,10 @@ def draw_timeline(trace: dict[str, Any], path: str | os.PathLike[str], *, width_
     px_per_s = axes_px / (span * 1.02)
     # rows whose boxes average under ~4 px: no white edges and no widened updates, which would drown them
     dense = {pid for pid in ranks
-             if 4 * sum(len(boxes.get((pid, c), ())) for c in ("forward", "backward", "update")) > axes_px}
+             if 4 * sum(len(boxes.get((pid, c), ())) for c in ("forward", "backward", "weight", "update")) > axes_px}
     for (pid, cat), spans in boxes.items():
         kw = dict(style[cat])
-        if cat in ("forward", "backward"):
+        if cat in ("forward", "backward", "weight"):
             kw.update(edgecolors="white", linewidth=0 if pid in dense else 0.6)
         if cat == "update" and pid not in dense:
             # at least ~2 px wide, so that every update shows as a tick however short it was
@@ -331,6 +335,8 @@ def draw_timeline(trace: dict[str, Any], path: str | os.PathLike[str], *, width_
     handles = [Patch(facecolor=FORWARD_COLOR, label="forward (minibatch)"),
                Patch(facecolor=BACKWARD_COLOR, label="backward (minibatch)"),
                Patch(facecolor=UPDATE_COLOR, label="weight update")]
+    if "weight" in present:
+        handles.insert(2, Patch(facecolor=WEIGHT_COLOR, label="weight gradient (split backward)"))
     if "checkpoint" in present:
         handles.append(Patch(facecolor=CHECKPOINT_COLOR, edgecolor="#8a4b0f", hatch="////", label="checkpoint"))
     if "wait" in present:

@@ -11,7 +11,8 @@ Events (``ph: "X"`` complete events, times in microseconds since the epoch so at
 name           cat        args
 =============  =========  ==============================================================
 ``F{b}``       forward    minibatch, stage, replica, attempt
-``B{b}``       backward   minibatch, stage, replica, attempt
+``B{b}``       backward   minibatch, stage, replica, attempt (a split backward: its input half ``I``)
+``W{b}``       weight     minibatch, stage, replica, attempt (a split backward's weight half)
 ``U{j}``       update     round, stage, replica, attempt
 ``recv``       wait       minibatch, what ("activation" / "gradient"), peer
 ``send``       send       minibatch, what, peer  (posting the non-blocking send)

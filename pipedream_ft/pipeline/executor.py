@@ -386,10 +386,12 @@ class Executor:
             return
         job, targets = self._weight_jobs.pop(b)
         t0 = time.perf_counter()
+        w0 = time.time()
         if job is not None:
             self._accumulate(targets, job.run())
         self.stats.backward_s += time.perf_counter() - t0
         self.stats.minibatches += 1
+        self.hooks.on_weight_backward(b, w0, time.time())
 
     def _output_grads(self, rec: _InFlight) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """The roots of a backward and their gradients (the loss; or the outputs, whose gradients this waits for)."""

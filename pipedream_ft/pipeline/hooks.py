@@ -26,7 +26,10 @@ class Hooks:
         """The forward of ``minibatch`` ran from ``start`` to ``end``."""
 
     def on_backward(self, minibatch: int, start: float, end: float) -> None:
-        """The backward of ``minibatch`` ran from ``start`` to ``end``."""
+        """The backward of ``minibatch`` ran from ``start`` to ``end`` (a split backward's input half ``I``)."""
+
+    def on_weight_backward(self, minibatch: int, start: float, end: float) -> None:
+        """The weight half ``W`` of a split backward of ``minibatch`` ran from ``start`` to ``end``."""
 
     def on_update(self, round_: int, done: int, start: float, end: float) -> None:
         """Update ``round_`` ran; ``done`` minibatches are now trained."""
@@ -71,6 +74,10 @@ class HookList(Hooks):
     def on_backward(self, minibatch: int, start: float, end: float) -> None:
         for h in self.hooks:
             h.on_backward(minibatch, start, end)
+
+    def on_weight_backward(self, minibatch: int, start: float, end: float) -> None:
+        for h in self.hooks:
+            h.on_weight_backward(minibatch, start, end)
 
     def on_update(self, round_: int, done: int, start: float, end: float) -> None:
         for h in self.hooks:
