@@ -1,7 +1,12 @@
 """``flush`` mode's schedules (1F1B, GPipe, ZB-H1) against ``torch.distributed.pipelining``'s, and against the
 schedule simulator's prediction.
 
-Run: ``python benchmarks/bench_schedules.py [--quick] [--cases 10/10/10,2/2/2] [--steps N] [--repeats R]``.
+Run: ``python benchmarks/bench_schedules.py [--quick] [--cases 10/10/10,2/2/2] [--steps N] [--repeats R]
+[--timelines DIR]``.
+
+``--timelines DIR`` also traces two steps of each of our schedules (the first case's sleeps) and draws each as
+``DIR/<schedule>.png`` with :func:`pipedream_ft.observe.plot.draw_timeline` (``pipedream-timeline``'s figure):
+ranks × time, forwards blue, (input-)backwards green, ZB-H1's deferred weight gradients purple.
 
 A 4-stage split sleep model (:class:`sleep_model.SplitSleepLayer`: each stage computes
 ``SleepInput(x) * SleepWeight(w)``; the forward sleeps F ms, the input path's backward I ms, the weight path's
@@ -21,9 +26,14 @@ each step flushes), against the bound ``1 / (F + I + W)``; the bubble ``1 - busy
 run back to back (the first stage has no input gradient: its ``I`` costs 0, in the model and in the
 prediction), with the ratio measured / predicted.
 
+``--schedule auto`` against the measurement: per case, the sleep model is profiled by ``pipedream-profile``'s
+:func:`profiler.measure.profile_model` (forward, backward, and the backward's weight-gradient share it measures),
+planned one layer per stage, and :func:`partitioner.schedule_choice.choose` picks a schedule as
+``pipedream-partition --schedule auto`` would; the pick is compared with the schedule of ours measured fastest.
+
 Targets (printed; ``MISSED`` beside one missed; the exit status is 0 either way): every schedule of ours at
 least 1.0x its peer's throughput; ZB-H1's measured bubble within 10 % (relative) of its simulated value;
-the simulator within 5 % of our measured step time.
+the simulator within 5 % of our measured step time; ``auto`` picks the measured-fastest schedule.
 """
 
 from __future__ import annotations
@@ -75,6 +85,8 @@ class Case:
     batch: int = 8
     width: int = 64
     timeout_s: float = 180.0
+    timeline_dir: str | None = None
+    """Trace two steps of each schedule of ours into ``<dir>/<schedule>/`` (after the measured runs)."""
 
     @property
     def label(self) -> str:
@@ -286,6 +298,16 @@ def _rank_case(case: Case) -> dict[str, Any]:
                 theirs.append(measured(torch_run))
         trainer.close()
         out["runs"][name] = {"ours": ours, "torch": theirs or None}
+        if case.timeline_dir is not None:
+            traced = PipelineTrainer(split_sleep_model(S, F, I, W), plan, loss_fn=nn.functional.mse_loss,
+                                     optimizer_factory=lambda p: torch.optim.SGD(p, lr=1e-4, momentum=0.9),
+                                     config=PipelineConfig(mode="flush", flush_every=m, schedule=name,
+                                                           timeout_s=case.timeout_s, backend="gloo", progress=False,
+                                                           summary=False,
+                                                           trace_dir=str(Path(case.timeline_dir) / name)))
+            traced.train(data, m)  # warm-up, traced too: the figure draws the last two steps
+            traced.train(data, 2 * m)
+            traced.close()
     return out
 
 
@@ -425,6 +447,63 @@ def _print_tables(cases: list[Case], results: list[list[dict[str, Any]]]) -> boo
     return ok
 
 
+def auto_choice(case: Case) -> tuple[str, str]:
+    """What ``pipedream-partition --schedule auto`` picks for the case's sleep model from a measured profile,
+    and the ranking's table."""
+    import torch
+
+    from partitioner.plan import Plan
+    from partitioner.schedule_choice import choose, format_ranking, rank_schedules
+    from profiler.measure import profile_model
+    from sleep_model import split_sleep_model
+
+    torch.set_num_threads(1)
+    profile = profile_model(split_sleep_model(case.stages, case.forward_ms, case.input_ms, case.weight_ms),
+                            torch.randn(case.batch, case.width), warmup=1, repeats=3)
+    plan = Plan.from_stages([[i] for i in range(case.stages)], [1] * case.stages,
+                            profile_hash=profile.structure_hash(), layer_names=[l.name for l in profile.layers])
+    ranking = rank_schedules(plan, profile, case.microbatches, names=case.schedules)
+    chosen = choose(ranking).name
+    return chosen, format_ranking(ranking, chosen)
+
+
+def _print_auto(cases: list[Case], results: list[list[dict[str, Any]]]) -> bool:
+    ok = True
+    print()
+    print("--schedule auto (a profile measured by profile_model, one layer per stage) against the measured fastest "
+          "of ours; target: the same")
+    for case, res in zip(cases, results):
+        if len(case.schedules) < 2:
+            continue
+        chosen, table = auto_choice(case)
+        rates = {name: f["rate"] for name in case.schedules if (f := _figures(case, res, name, "ours")) is not None}
+        fastest = max(rates, key=rates.__getitem__)
+        # a pick within the run-to-run noise of the fastest is as good as it
+        close = rates[chosen] >= 0.98 * rates[fastest]
+        ok &= close
+        print(f"  F/I/W = {case.label} ms: auto picks {chosen} ({rates[chosen]:.2f}/s), measured fastest {fastest} "
+              f"({rates[fastest]:.2f}/s): {_mark(close)}")
+        print("    " + table.replace("\n", "\n    "))
+    return ok
+
+
+def _draw_timelines(case: Case, res: list[dict[str, Any]], directory: Path) -> None:
+    """``directory/<schedule>.png`` of each traced schedule: its last two steps (the measured step time of the
+    schedule sets the window; the warm-up step before them is left out)."""
+    from pipedream_ft.observe.plot import clip_trace, draw_timeline
+    from pipedream_ft.observe.timeline import merge_traces, trace_files
+
+    print()
+    for name in case.schedules:
+        trace = merge_traces(trace_files(directory / name))
+        figures = _figures(case, res, name, "ours")
+        assert figures is not None
+        out = directory / f"{name}.png"
+        draw_timeline(clip_trace(trace, 2.05 * figures["step_ms"] / 1000), out, width_px=1200,
+                      title=f"{name}: 4 ranks, {case.microbatches} microbatches per step, F/I/W = {case.label} ms")
+        print(f"timeline of {name} (two steps): {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default="10/10/10,2/2/2",
@@ -437,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedules", default="1f1b,gpipe,zb_h1", help="which of ours (default all three)")
     p.add_argument("--quick", action="store_true", help="short runs (under a minute)")
     p.add_argument("--timeout", type=float, default=None, help="seconds one case may take (default: from its length)")
+    p.add_argument("--timelines", metavar="DIR", default=None,
+                   help="also draw two traced steps of each schedule of ours as DIR/<schedule>.png")
     args = p.parse_args(argv)
     schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
     for s in schedules:
@@ -460,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
         run_s = 2 * len(schedules) * (repeats * steps + 1) * predict(probe, "gpipe", 1)[0] / 1000
         timeout = args.timeout if args.timeout is not None else 120 + 4 * run_s
         cases.append(dataclasses.replace(probe, steps=steps, repeats=repeats, schedules=schedules, timeout_s=timeout))
+    if args.timelines is not None:
+        cases[0] = dataclasses.replace(cases[0], timeline_dir=str(Path(args.timelines).resolve()))
 
     print("torch's peer of each schedule, one stage per rank (compute actions of 4 ranks, 8 microbatches):")
     for name in schedules:
@@ -478,6 +561,9 @@ def main(argv: list[str] | None = None) -> int:
     results = run_cases(cases)
     print(f"{time.perf_counter() - t0:.1f} s", flush=True)
     ok = _print_tables(cases, results)
+    ok &= _print_auto(cases, results)
+    if args.timelines is not None:
+        _draw_timelines(cases[0], results[0], Path(args.timelines))
     print()
     print("all targets met" if ok else "some targets MISSED (exit status 0 all the same: the figures on a shared CPU "
                                       "machine are ratios, see benchmarks/README.md)")
