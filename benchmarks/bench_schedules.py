@@ -487,19 +487,20 @@ def _print_auto(cases: list[Case], results: list[list[dict[str, Any]]]) -> bool:
     return ok
 
 
-def _draw_timelines(case: Case, res: list[dict[str, Any]], directory: Path) -> None:
-    """``directory/<schedule>.png`` of each traced schedule: its last two steps (the measured step time of the
-    schedule sets the window; the warm-up step before them is left out)."""
+def _draw_timelines(case: Case, directory: Path) -> None:
+    """``directory/<schedule>.png`` of each traced schedule: its last two steps, from stage 0's first forward of
+    them (the warm-up step before them is left out)."""
     from pipedream_ft.observe.plot import clip_trace, draw_timeline
     from pipedream_ft.observe.timeline import merge_traces, trace_files
 
     print()
     for name in case.schedules:
         trace = merge_traces(trace_files(directory / name))
-        figures = _figures(case, res, name, "ours")
-        assert figures is not None
+        timed = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+        begin = min(e["ts"] for e in timed if e.get("cat") == "forward" and e["args"]["minibatch"] == case.microbatches)
+        end = max(e["ts"] + e["dur"] for e in timed)
         out = directory / f"{name}.png"
-        draw_timeline(clip_trace(trace, 2.05 * figures["step_ms"] / 1000), out, width_px=1200,
+        draw_timeline(clip_trace(trace, (end - begin) / 1e6), out, width_px=1200,
                       title=f"{name}: 4 ranks, {case.microbatches} microbatches per step, F/I/W = {case.label} ms")
         print(f"timeline of {name} (two steps): {out}")
 
@@ -563,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = _print_tables(cases, results)
     ok &= _print_auto(cases, results)
     if args.timelines is not None:
-        _draw_timelines(cases[0], results[0], Path(args.timelines))
+        _draw_timelines(cases[0], Path(args.timelines))
     print()
     print("all targets met" if ok else "some targets MISSED (exit status 0 all the same: the figures on a shared CPU "
                                       "machine are ratios, see benchmarks/README.md)")
