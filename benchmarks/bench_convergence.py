@@ -187,8 +187,8 @@ def make_plan(profile: Any, stages: int) -> Any:
     plus activation bytes (backward twice that): deterministic, unlike the measured times."""
     layers = tuple(dataclasses.replace(
         layer, forward_ms=(layer.parameter_bytes + layer.activation_bytes) / 1e4 if layer.kind == "tensor" else 0.0,
-        backward_ms=2 * (layer.parameter_bytes + layer.activation_bytes) / 1e4 if layer.kind == "tensor" else 0.0)
-        for layer in profile.layers)
+        backward_ms=2 * (layer.parameter_bytes + layer.activation_bytes) / 1e4 if layer.kind == "tensor" else 0.0,
+        weight_backward_ms=None) for layer in profile.layers)
     from partitioner.optimizer import partition
 
     return partition(dataclasses.replace(profile, layers=layers), stages, 1e9, straight=True)
