@@ -42,6 +42,7 @@ from profiler.profile import Profile
 from .checkpoint import Storage
 from .env import DistEnv, read_env, setting
 from .errors import InvalidArgument, JobError, PipelineSetupError, mark_training, say
+from .ft import cuts
 from .ft.checkpointer import CheckpointConfig, Checkpointer, plan_hash
 from .ft.inplace import InPlace
 from .ft.recovery import Membership, store_connection
@@ -321,7 +322,7 @@ class PipelineTrainer:
                                  autocast=autocast_context(config.autocast_dtype, self.device),
                                  loss_factor=(lambda: scaler.scale) if scaler is not None else None,
                                  decide=self.ckpt.decide if self.ckpt is not None and topo.is_first else None,
-                                 on_cut=self.ckpt.on_cut if self.ckpt is not None else None)
+                                 on_cut=self.ckpt.on_cut if self.ckpt is not None else None, stops=cuts.stops)
         if config.replan is not None:
             self._start_replanning(config.replan)
         self.fingerprint = hashlib.sha256(json.dumps(

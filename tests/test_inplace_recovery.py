@@ -261,8 +261,10 @@ def test_a_hung_rank_is_found_by_its_heartbeat_whatever_the_timeout(reference, t
 
 def test_a_replacement_killed_again_soon_after_is_the_only_process_replaced(reference, tmp_path):
     """The issue's double kill, from outside: rank 2 is killed at minibatch 21 and its replacement 0.4 s after it
-    was started, wherever the others are then (forming, restoring, connecting). Only rank 2 is replaced; the
-    others keep their processes; the weights are the uninterrupted run's."""
+    was started, wherever the others are then (forming, restoring, connecting, training). Only rank 2 is replaced;
+    the others keep their processes; the weights are the uninterrupted run's. Each minibatch sleeps 40 ms (the
+    weights do not depend on it), so that the minibatches left after the cut take well over 0.4 s: on an idle
+    machine the run used to finish first, and the kill hit the processes' last collective, outside training."""
     killed: list[int] = []
 
     def on_line(line: str) -> None:
@@ -277,7 +279,7 @@ def test_a_replacement_killed_again_soon_after_is_the_only_process_replaced(refe
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
-    proc, out, _ = torchrun_watched(tmp_path, "kill@rank=2,step=21", on_line=on_line)
+    proc, out, _ = torchrun_watched(tmp_path, "kill@rank=2,step=21", "--sleep-ms", "40", on_line=on_line)
     info = summary(proc, out)
     log = info["log"]
     assert killed, log[-4000:]

@@ -55,7 +55,7 @@ from ..checkpoint.tiers import Tier
 from ..checkpoint.snapshot import immutable
 from ..checkpoint.tiers import TierWriter
 from ..errors import EXIT_PREEMPTED, JobError, PipelineError, PipelineSetupError, say
-from ..pipeline.executor import CUT, DURABLE, REPLAN, STOP
+from .cuts import CUT, DURABLE, REPLAN, STOP
 from ..pipeline.group import CommGroup
 from ..pipeline.hooks import Hooks
 from ..pipeline.modes import Mode

@@ -20,7 +20,8 @@ The executor runs the actions a :class:`~pipedream_ft.pipeline.modes.Mode` sched
 of ``b``, and a non-zero answer marks a cut at ``b + 1`` that travels with the activations to every later
 stage (and, through the gradient all-reduce, to the replicas that did not run ``b``). After its update for the
 last minibatch before the cut each rank calls ``on_cut(cut, flags)``: that is where a checkpoint is taken, with
-nobody stopping to agree.
+nobody stopping to agree. The flags mean nothing here (:mod:`pipedream_ft.ft.cuts` owns them): the executor
+only asks ``stops(flags)`` whether the job stops at the cut, and then runs no minibatch after it.
 """
 
 from __future__ import annotations
@@ -45,18 +46,10 @@ from .state import StageState
 from .topology import Topology
 from .versions import Version
 
-__all__ = ["CUT", "DURABLE", "REPLAN", "STOP", "DataFn", "Executor", "RankStats", "mix_seed"]
+__all__ = ["DataFn", "Executor", "RankStats", "mix_seed"]
 
 FAILED = 1
-"""Header flag: the upstream stage failed its pre-flight check."""
-CUT = 2
-"""Header flag: a checkpoint cut follows this minibatch."""
-STOP = 4
-"""Header flag: and the job stops after it (a preemption)."""
-DURABLE = 8
-"""Header flag: the cut's checkpoint goes to the durable tier too (not only the memory tier)."""
-REPLAN = 16
-"""Header flag: the job stops at the cut to continue on a better plan (with ``STOP`` and ``DURABLE``)."""
+"""The pre-flight header's flag: the upstream stage failed its pre-flight check."""
 
 DataFn = Callable[[int], tuple[Any, Any]]
 """``data(b) -> (inputs, targets)`` of minibatch ``b``; every rank must see the same stream."""
@@ -131,7 +124,8 @@ class Executor:
                  autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
                  loss_factor: Callable[[], float] | None = None,
                  decide: Callable[[int], int] | None = None,
-                 on_cut: Callable[[int, int], None] | None = None) -> None:
+                 on_cut: Callable[[int, int], None] | None = None,
+                 stops: Callable[[int], bool] | None = None) -> None:
         self.topo = topo
         self.state = state
         self.mode = mode
@@ -148,6 +142,8 @@ class Executor:
         """Stage 0: the cut flags for minibatch ``b`` (0: no cut after it)."""
         self.on_cut = on_cut
         """Called after the update that completes the minibatches before a cut, with ``(cut, flags)``."""
+        self.stops: Callable[[int], bool] = stops if stops is not None else (lambda flags: False)
+        """Whether the job stops at a cut with these flags."""
         self.cuts: dict[int, int] = {}
         """Cuts announced to this rank and not yet reached: cut -> flags."""
         self.stop_at: int | None = None
@@ -273,7 +269,7 @@ class Executor:
 
     def _cut(self, b: int, flags: int) -> None:
         self.cuts[b + 1] = flags
-        if flags & STOP:
+        if self.stops(flags):
             self.stop_at = b + 1
 
     def forward(self, b: int, data: Feed) -> None:
@@ -284,7 +280,7 @@ class Executor:
         if topo.is_first:
             inputs = self._model_inputs(data.inputs(b))
             flags = self.decide(b) if self.decide is not None else 0
-            if flags & CUT:
+            if flags:
                 self._cut(b, flags)
             tag = self.mode.version_for(topo, state.versions, b, 0).updates
             header = Header(b, tag, flags)
@@ -296,7 +292,7 @@ class Executor:
             assert header is not None and self._in_structure is not None
             leaves = [t.requires_grad_() if t.is_floating_point() else t for t in leaves]
             inputs = self._in_structure.join(leaves)
-            if header.flags & CUT:
+            if header.flags:
                 self._cut(b, header.flags)
         t0 = time.perf_counter()
         w0 = time.time()
