@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
-__all__ = ["DistEnv", "SETTINGS", "read_env", "setting"]
+__all__ = ["DistEnv", "SETTINGS", "read_env", "reported_rank", "setting"]
 
 SETTINGS = {
     "PIPEDREAM_FT_HEALTH_FILE": "a file refreshed while the rank makes progress (PipelineConfig.health_file)",
@@ -29,6 +29,13 @@ SETTINGS = {
     "XDG_RUNTIME_DIR": "this user's private runtime directory, home of the job's key (ft/secret.py)",
 }
 """The environment variables :func:`setting` reads, and what each is for."""
+
+
+def reported_rank(environ: Mapping[str, str] | None = None) -> int:
+    """This process's rank for an error line: ``RANK`` alone, unchecked (reporting an error must not fail on the
+    rest of the environment); 0 if unset or not a number."""
+    raw = (os.environ if environ is None else environ).get("RANK", "")
+    return int(raw) if raw.strip().isdigit() else 0
 
 
 def setting(name: str, environ: Mapping[str, str] | None = None) -> str | None:

@@ -20,7 +20,7 @@ from partitioner.plan import PlanError
 from profiler.profile import ProfileError
 
 from .checkpoint import CheckpointError
-from .env import read_env
+from .env import reported_rank
 from .errors import EXIT_RUNTIME, EXIT_SETUP, PipelineError, say
 from .pipeline.comm import PeerTimeoutError, ShapeMismatchError
 
@@ -43,13 +43,6 @@ def exit_code_of(exc: BaseException) -> int | None:
     return None
 
 
-def _rank() -> int:
-    try:
-        return read_env().rank
-    except ValueError:  # a broken environment is reported by whatever read it first; name no rank twice
-        return 0
-
-
 def _first_line(exc: BaseException) -> str:
     lines = [line for line in str(exc).splitlines() if line.strip()]
     return lines[0].strip() if lines else type(exc).__name__
@@ -64,7 +57,7 @@ def run_reporting_errors(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> t
         code = exit_code_of(exc)
         if code is None:
             raise
-        rank = _rank()
+        rank = reported_rank()
         if code == EXIT_SETUP:
             if rank == 0:
                 say(f"pipedream-ft: error: {exc}")

@@ -47,6 +47,17 @@ def test_each_error_carries_its_status_and_says_one_line(exc, code, rank, monkey
         assert lines == [f"pipedream-ft: rank {rank}: {exc}"]
 
 
+def test_the_rank_is_reported_from_rank_alone(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # the rest of the environment need not be whole
+
+    def fail():
+        raise PipelineError("lost")
+
+    assert run_reporting_errors(fail) == (EXIT_RUNTIME, None)
+    assert capsys.readouterr().err == "pipedream-ft: rank 3: lost\n"
+
+
 def test_results_pass_through_and_other_errors_propagate(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     assert run_reporting_errors(lambda x: x + 1, 41) == (0, 42)
