@@ -53,12 +53,12 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def make_stage(width: int, blocks: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Stage 0 of the benchmark MLP: ``blocks`` Linear+ReLU layers of ``width``, SGD with momentum."""
+def make_stage(width: int, blocks: int, device: str = "cpu") -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Stage 0 of the benchmark MLP: ``blocks`` Linear+ReLU layers of ``width`` on ``device``, SGD with momentum."""
     layers: list[nn.Module] = []
     for _ in range(blocks):
         layers += [nn.Linear(width, width), nn.ReLU()]
-    model = nn.Sequential(*layers)
+    model = nn.Sequential(*layers).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
@@ -69,8 +69,8 @@ def make_stage(width: int, blocks: int) -> tuple[nn.Module, torch.optim.Optimize
 class Stage:
     """The live state of one stage, with weight versions published like the runtime's ``VersionStore``."""
 
-    def __init__(self, width: int, blocks: int, versions_kept: int) -> None:
-        self.model, self.opt = make_stage(width, blocks)
+    def __init__(self, width: int, blocks: int, versions_kept: int, device: str = "cpu") -> None:
+        self.model, self.opt = make_stage(width, blocks, device)
         self.params = list(self.model.parameters())
         self.names = [n for n, _ in self.model.named_parameters()]
         self.keep = versions_kept
@@ -177,7 +177,7 @@ def _persist_child(conn: Any, directory: str, nice: int) -> None:
 
 def _shared_like(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return torch.empty_like(x.detach(), memory_format=torch.contiguous_format).share_memory_()
+        return torch.empty(x.shape, dtype=x.dtype).share_memory_()  # in host memory, whatever x's device
     if isinstance(x, dict):
         return {k: _shared_like(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="directory on the disk to test (default: a temporary one)")
     ap.add_argument("--checksum", default="crc32", choices=["crc32", "sha256"])
     ap.add_argument("--nice", type=int, default=-1, help="persist thread nice value (-1: unchanged)")
+    ap.add_argument("--device", default="cpu", help="where the stage's state lives: cpu or cuda (default cpu)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -215,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     from pipedream_ft.checkpoint import CheckpointWriter, Storage
 
     base = Path(tempfile.mkdtemp(prefix="pdft-bench-write-", dir=args.dir))
-    stage = Stage(args.width, args.blocks, args.versions)
+    if args.device != "cpu" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: torch.cuda.is_available() is False")
+    stage = Stage(args.width, args.blocks, args.versions, args.device)
     for _ in range(args.versions + 1):
         stage.update()
     gb = stage.nbytes() / 1e9
@@ -274,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in kinds}
     order = list(kinds)
     print(f"checkpoint write: state {1000 * gb:.1f} MB (model + SGD momentum + {args.versions} version(s)), "
-          f"{args.saves} saves per writer, checksum {args.checksum}, persist nice {nice}, dir {base}; "
+          f"{args.saves} saves per writer, on {args.device}, checksum {args.checksum}, persist nice {nice}, dir {base}; "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}", flush=True)
     try:
         for k in kinds:  # warm-up: first allocations, imports, directory creation
