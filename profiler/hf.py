@@ -32,6 +32,8 @@ positionally in that order.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
@@ -79,13 +81,30 @@ class _LayerInputs:
             positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         make = create_sliding_window_causal_mask if self.layer_type == "sliding_attention" else create_causal_mask
         extra = {"position_ids": positions} if self.family.mask_with_positions else {}
-        kwargs["attention_mask"] = make(config=self.config, inputs_embeds=hidden, attention_mask=mask, cache=None,
-                                        **extra)
+        kwargs["attention_mask"] = make(config=self.config, inputs_embeds=hidden, attention_mask=mask,
+                                        **_no_cache(make, hidden), **extra)
         kwargs["position_ids"] = positions
         if self.rotary is not None:
             kwargs["position_embeddings"] = (self.rotary(hidden, positions, self.layer_type)
                                              if self.family.rotary_by_layer_type else self.rotary(hidden, positions))
         return args, kwargs
+
+
+def _no_cache(make: Any, hidden: torch.Tensor) -> dict[str, Any]:
+    """The "no key/value cache" arguments of transformers' mask builder ``make``, as the installed version names
+    them: ``cache=None`` (5.2x), or ``past_key_values=None`` with ``cache_position`` (5.1x and 4.5x)."""
+    params = _parameters(make)
+    if "cache" in params:
+        return {"cache": None}
+    args: dict[str, Any] = {"past_key_values": None} if "past_key_values" in params else {}
+    if "cache_position" in params:
+        args["cache_position"] = torch.arange(hidden.shape[1], device=hidden.device)
+    return args
+
+
+@functools.cache
+def _parameters(fn: Any) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
 
 
 def _layer_type(config: Any, family: Family, i: int) -> str:

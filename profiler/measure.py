@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .layers import LayerGraph, fetch_attr, has_tensor, layer_graph, sequential_children, tensor_bytes
 from .profile import Layer, ModelInput, Profile, ProfileError
 
-__all__ = ["profile_model", "resolve_device"]
+__all__ = ["call_overhead_ms", "profile_model", "resolve_device"]
 
 _Call = Callable[[dict[Any, Any]], Any]
 
@@ -203,10 +203,40 @@ def _split_backward(call: _Call, base: dict[Any, Any], clock: _Clock, params: Se
     return input_ms, weight_ms
 
 
+def call_overhead_ms(device: str | torch.device, warmup: int = 5, repeats: int = 50) -> tuple[float, float]:
+    """What timing one call costs on ``device`` beyond its work, in milliseconds: (forward, backward), medians.
+
+    On a GPU every timed call pays a synchronisation, two events and, for a backward, the hand-off to
+    autograd's device thread; a training step pays them once, not once per layer. They are measured on a call
+    that does almost nothing (a one-element multiply and its backward) and taken off each layer's times. On the
+    CPU the timer costs microseconds and nothing is taken off: (0.0, 0.0)."""
+    dev = resolve_device(device)
+    if dev.type != "cuda":
+        return 0.0, 0.0
+    clock = _Clock(dev)
+    x = torch.zeros(1, device=dev, requires_grad=True)
+    grad = torch.ones(1, device=dev)
+    forward: list[float] = []
+    backward: list[float] = []
+    for run in range(warmup + repeats):
+        clock.start()
+        y = x * 1.0
+        fwd = clock.stop()
+        clock.start()
+        torch.autograd.backward([y], grad_tensors=[grad])
+        bwd = clock.stop()
+        x.grad = None
+        if run >= warmup:
+            forward.append(fwd)
+            backward.append(bwd)
+    return statistics.median(forward), statistics.median(backward)
+
+
 def _measure(call: _Call, base: dict[Any, Any], clock: _Clock, params: Sequence[nn.Parameter], warmup: int,
-             repeats: int) -> tuple[float, float, float]:
-    """Median forward and backward times of one layer, and the share of the backward that computes the weight
-    gradients (from a split run, see :func:`_split_backward`)."""
+             repeats: int, overhead: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float, float]:
+    """Median forward and backward times of one layer, less the timer's ``overhead`` (:func:`call_overhead_ms`),
+    and the share of the backward that computes the weight gradients (from a split run, see
+    :func:`_split_backward`)."""
     forward: list[float] = []
     backward: list[float] = []
     split: list[tuple[float, float]] = []
@@ -229,10 +259,12 @@ def _measure(call: _Call, base: dict[Any, Any], clock: _Clock, params: Sequence[
         if run >= warmup:
             forward.append(fwd)
             backward.append(bwd)
-            split.append(_split_backward(call, base, clock, params) if bwd > 0 else (0.0, 0.0))
+            i_ms, w_ms = _split_backward(call, base, clock, params) if bwd > 0 else (0.0, 0.0)
+            split.append((max(i_ms - overhead[1], 0.0), max(w_ms - overhead[1], 0.0)))
     inputs, weights = sum(i for i, _ in split), sum(w for _, w in split)
     share = weights / (inputs + weights) if inputs + weights > 0 else 0.0
-    return statistics.median(forward), statistics.median(backward), share
+    return (max(statistics.median(forward) - overhead[0], 0.0), max(statistics.median(backward) - overhead[1], 0.0),
+            share)
 
 
 def _dtype_name(inputs: Sequence[torch.Tensor], model: nn.Module) -> str:
@@ -291,9 +323,10 @@ def profile_model(
                     activation.append(tensor_bytes(out))
                     bar.update(1)
             layers: list[Layer] = []
+            overhead = call_overhead_ms(dev)
             for i, call in enumerate(calls):
                 base = {k: env[k] for k in keys_in[i]}
-                fwd, bwd, weight_share = _measure(call, base, clock, params, warmup, repeats)
+                fwd, bwd, weight_share = _measure(call, base, clock, params, warmup, repeats, overhead)
                 layers.append(
                     Layer(
                         name=graph.names[i],
@@ -321,6 +354,7 @@ def profile_model(
         "warmup": warmup,
         "repeats": repeats,
         "layer_graph": graph.kind,
+        "call_overhead_ms": list(overhead),
     }
     info.update(meta or {})
     model_inputs = tuple(

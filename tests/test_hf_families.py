@@ -156,3 +156,23 @@ def test_a_model_outside_the_families_is_named_with_the_recipe() -> None:
         for_pipeline(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="inputs must be input_ids"):
         for_pipeline(tiny("llama"), ("attention_mask", "input_ids"))
+
+
+def test_the_mask_builder_gets_no_cache_by_the_name_the_installed_transformers_uses() -> None:
+    """transformers 5.2x names the cache ``cache``; 5.1x and 4.5x name it ``past_key_values`` and also want
+    ``cache_position`` (the wrapper failed on 5.17 with "unexpected keyword argument 'cache'")."""
+    from profiler.hf import _no_cache
+
+    hidden = torch.zeros(2, 5, 8)
+
+    def new(config, inputs_embeds, attention_mask, cache, position_ids=None): ...
+
+    def old(config, input_embeds, attention_mask, cache_position, past_key_values, position_ids=None): ...
+
+    def oldest(config, input_embeds, attention_mask, past_key_values): ...
+
+    assert _no_cache(new, hidden) == {"cache": None}
+    got = _no_cache(old, hidden)
+    assert set(got) == {"past_key_values", "cache_position"} and got["past_key_values"] is None
+    assert torch.equal(got["cache_position"], torch.arange(5))
+    assert _no_cache(oldest, hidden) == {"past_key_values": None}

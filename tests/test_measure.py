@@ -280,3 +280,22 @@ def test_the_backward_is_split_into_its_weight_and_input_gradients() -> None:
     for linear in (first, second):
         assert 0 < linear.weight_backward_ms < linear.backward_ms
     assert Profile.from_json(json.loads(json.dumps(p.to_json()))) == p
+
+
+def test_the_timers_own_cost_is_measured_on_a_gpu_and_taken_off_each_layer(monkeypatch) -> None:
+    """On a GPU each timed call pays a synchronisation and autograd's device-thread hand-off that a training step
+    pays once: the profile takes the measured cost off every layer's times and records it; on the CPU it is 0."""
+    import profiler.measure as measure
+
+    assert measure.call_overhead_ms("cpu") == (0.0, 0.0)
+    if torch.cuda.is_available():
+        f, b = measure.call_overhead_ms("cuda")
+        assert 0.0 < f < 5.0 and 0.0 < b < 5.0
+    model = digits_resnet()
+    plain = profile_model(model, torch.randn(4, 1, 8, 8), **FAST)
+    assert plain.meta["call_overhead_ms"] == [0.0, 0.0]
+    monkeypatch.setattr(measure, "call_overhead_ms", lambda device: (1e6, 1e6))
+    taken = profile_model(model, torch.randn(4, 1, 8, 8), **FAST)
+    assert taken.meta["call_overhead_ms"] == [1e6, 1e6]
+    assert all(layer.forward_ms == 0.0 and layer.backward_ms == 0.0 for layer in taken.layers)
+    assert [layer.name for layer in taken.layers] == [layer.name for layer in plain.layers]
