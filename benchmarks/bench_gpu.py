@@ -9,7 +9,8 @@
 3. **Recovery on the GPU**: the same run killed at minibatch 150, once recovered in place and once restarted by
    torchrun from the last durable checkpoint; each run's final weights against the uninterrupted run's
    (largest absolute difference: CUDA's embedding backward adds with atomics, so bitwise is not promised).
-4. **Checkpoint writes from GPU memory**: ``bench_checkpoint_write.py --device cuda`` (ours against
+4. **Checkpoint writes from GPU memory**: saved tensors changed in place on the GPU the moment ``save``
+   returns must read back as they were at the call; then ``bench_checkpoint_write.py --device cuda`` (ours against
    ``torch.distributed.checkpoint.async_save``, blocking time and background CPU).
 
 Usage: ``python benchmarks/bench_gpu.py [--out DIR]``. Each step's log is kept in ``DIR``; a step that fails
@@ -98,6 +99,35 @@ def _max_diff(a: Path, b: Path) -> float | None:
     return max(float((sa[k].double() - sb[k].double()).abs().max()) if sa[k].numel() else 0.0 for k in sa)
 
 
+def _snapshot_check(directory: Path) -> dict[str, Any]:
+    """Save GPU tensors (copied, and marked immutable), change the copied ones in place on the GPU as soon as
+    ``save`` returns, and read the checkpoint back: it must hold the values at the call, bit for bit."""
+    from pipedream_ft.checkpoint import CheckpointWriter, Storage, immutable
+    from pipedream_ft.checkpoint.reader import load_part
+
+    torch.manual_seed(0)
+    live = {f"w{i}": torch.randn(2048, 2048, device="cuda") for i in range(8)}
+    frozen = {f"v{i}": torch.randn(1024, 1024, device="cuda") for i in range(4)}
+    storage = Storage(str(directory))
+    writer = CheckpointWriter(storage, "stage0", is_committer=True, keep=2)
+    worst = 0.0
+    try:
+        for step in range(1, 4):
+            expected = {k: v.cpu().clone() for k, v in live.items()}  # .cpu() alone is no copy on a CPU
+            handle = writer.save(step, {"model": live, "versions": immutable(frozen)})
+            for v in live.values():  # the next update, queued on the GPU right away
+                v.mul_(1.5).add_(1.0)
+            assert handle.wait(120) and handle.ok, handle.error
+            got = load_part(storage, step, "stage0")
+            worst = max([worst] + [float((got["model"][k] - expected[k]).abs().max()) for k in live]
+                        + [float((got["versions"][k] - frozen[k].cpu()).abs().max()) for k in frozen])
+    finally:
+        writer.close(30)
+    print(f"[snapshot] 3 saves of {len(live)} live + {len(frozen)} immutable GPU tensors, each changed in place "
+          f"as save returned: largest difference read back {worst}", flush=True)
+    return {"max_abs_diff": worst}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="gpu-check", help="directory for profiles, plans, logs and figures")
@@ -171,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
             results["plan"] = {"predicted_s": predicted, "measured_s": measured}
     results["runs"] = runs
 
-    # 3. checkpoint writes from GPU memory
+    # 3. checkpoint writes from GPU memory: correct, then fast
+    try:
+        results["snapshot"] = _snapshot_check(out / "snapshot")
+    except Exception as e:  # noqa: BLE001 - report and go on
+        print(f"[snapshot] failed: {type(e).__name__}: {e}", flush=True)
     results["checkpoint_write_exit"] = _run(
         "bench_checkpoint_write", [py, str(ROOT / "benchmarks" / "bench_checkpoint_write.py"), "--device", "cuda",
                                    "--saves", "12"], out, 300)
