@@ -10,7 +10,7 @@ The pieces, each in its own module:
 * :class:`~pipedream_ft.pipeline.topology.Topology` — the rank's stage, replica and peers, from the plan;
 * :class:`~pipedream_ft.pipeline.state.StageState` — weights, versions, optimizer, RNG, position, extra state;
 * :class:`~pipedream_ft.pipeline.executor.Executor` — forward, backward, update, the pre-flight check;
-* :class:`~pipedream_ft.pipeline.group.CommGroup` — the process groups of the current epoch;
+* :class:`~pipedream_ft.pipeline.connection.Connection` — the one communication handle, re-configured per epoch;
 * :class:`~pipedream_ft.ft.checkpointer.Checkpointer` — cuts, saves, commits, resume;
 * hooks — timeline, metrics, progress bar, watchdog, fault injection.
 
@@ -23,7 +23,6 @@ evaluation (:mod:`~pipedream_ft.pipeline.evaluate`) and the final model (:mod:`~
 from __future__ import annotations
 
 import atexit
-import gc
 import hashlib
 import json
 import logging
@@ -56,6 +55,7 @@ from .observe.hooks import MetricsHook, ProgressHook, TimelineHook
 from .observe.metrics import MetricsWriter, summary_table
 from .observe.timeline import TimelineRecorder
 from .pipeline.comm import Messenger, PeerTimeoutError
+from .pipeline.connection import Connection
 from .pipeline.data import CallableFeed, DataComponent, StreamFeed, target_links, training_feed
 from .pipeline.evaluate import EvalResult, MetricFn, evaluate
 from .pipeline.executor import DataFn, Executor, RankStats
@@ -267,12 +267,18 @@ class PipelineTrainer:
         self.plan = plan
         self.topo = topo = Topology.of(plan, env.rank)
         self.mode.check(topo)
+        self.connection = Connection(
+            rank=env.rank, world_size=env.world_size, backend=self.backend, device=self.device,
+            timeout_s=config.timeout_s, replica_ranks=topo.stage_ranks,
+            links=lambda: topo.links() + target_links(topo) + (self.state.tied.links() if self.state.tied else []))
+        """This rank's one communication handle: every component talks through it; each epoch re-configures it."""
         module = build_stage(ml, plan, topo.stage).to(self.device)
         specs = find_tied(ml, executed_layers(ml, plan.layer_to_stage, plan.num_stages, plan.recompute))
         tied = None
         if any(topo.stage in spec.stages for spec in specs):
             objects = dict(ml.root.named_parameters(remove_duplicate=False))
-            tied = TiedParameters(specs, objects, module, topo, self.mode, optimizer_factory)
+            tied = TiedParameters(specs, objects, module, topo, self.mode, optimizer_factory,
+                                  connection=self.connection)
         self.tied_specs = specs
         del ml, model
         self.state = StageState(module, optimizer_factory, stage=topo.stage, replica=topo.replica,
@@ -302,23 +308,21 @@ class PipelineTrainer:
         if self.faults:
             self.hooks.add(self.faults)
         self._add_observers()
-        self.group: CommGroup | None = None
-        self.messenger: Messenger | None = None
         self.record = TrainRecord(lambda: self.executor.losses)
         self.state.components["record"] = self.record  # a restored part brings its call's loss history back
         self.stepper = Stepper(self.state, topo=topo, synchronous=not self.mode.asynchronous,
-                               messenger=self.messenger, clip_grad_norm=config.clip_grad_norm, scaler=self.scaler,
+                               connection=self.connection, clip_grad_norm=config.clip_grad_norm, scaler=self.scaler,
                                scheduler=scheduler, compensation=config.compensation, delay=self.mode.delay(topo))
         self.ckpt: Checkpointer | None = None
         if checkpoint is not None:
             self.ckpt = Checkpointer(checkpoint, topo=topo, mode=self.mode, state=self.state,
-                                     coordinator=self.coordinator, hooks=self.hooks, flush_sends=self._flush_sends,
+                                     coordinator=self.coordinator, hooks=self.hooks, connection=self.connection,
                                      profile=profile, job=self.coordinator.job_id())
             if self.faults:
                 self.faults.instrument(self.ckpt)
         scaler = self.scaler
-        self.executor = Executor(topo, self.state, self.mode, device=self.device, loss_fn=loss_fn, seed=config.seed,
-                                 hooks=self.hooks, step=self.stepper.step,
+        self.executor = Executor(topo, self.state, self.mode, connection=self.connection, device=self.device,
+                                 loss_fn=loss_fn, seed=config.seed, hooks=self.hooks, step=self.stepper.step,
                                  autocast=autocast_context(config.autocast_dtype, self.device),
                                  loss_factor=(lambda: scaler.scale) if scaler is not None else None,
                                  decide=self.ckpt.decide if self.ckpt is not None and topo.is_first else None,
@@ -372,7 +376,7 @@ class PipelineTrainer:
         if self.inplace is not None and env.incarnation > 0 and env.live_round:
             return self.inplace.join(self._side, env.live_round, self.timeline).cut
         epoch = self.coordinator.new_epoch()
-        self._attach(self._make_group(epoch.store))
+        self._connect(epoch.store)
         if self.inplace is not None:
             self.inplace.enter(epoch.id).start()
         return self.ckpt.resume() if self.ckpt is not None else None
@@ -394,46 +398,28 @@ class PipelineTrainer:
                                     storage=self.ckpt.storage)
             self.ckpt.replan_due = control.due
 
-    def _make_group(self, store: Any, cancelled: Callable[[], bool] | None = None) -> CommGroup:
-        """This epoch's process groups, in namespace ``store`` (see :class:`CommGroup` for ``cancelled``)."""
-        topo = self.topo
-        group = CommGroup(store, rank=self.env.rank, world_size=self.env.world_size, backend=self.backend,
-                          device=self.device, timeout_s=self.config.timeout_s,
-                          links=(topo.links() + target_links(topo) + (self.state.tied.links() if self.state.tied else []))
-                          if self.backend == "nccl" else (),
-                          replica_ranks=topo.stage_ranks if len(topo.stage_ranks) > 1 else None, cancelled=cancelled)
+    def _connect(self, store: Any, cancelled: Callable[[], bool] | None = None) -> None:
+        """Form this epoch's process groups in namespace ``store`` (see :class:`CommGroup` for ``cancelled``)."""
+        self.connection.configure(store, cancelled)
         self.timeline["joined"] = time.time()
         log.info("rank %d/%d joined (%s, restart %d, process %d)", self.env.rank, self.env.world_size,
                  self.backend, self.env.restart_count, self.env.incarnation)
-        return group
-
-    def _attach(self, group: CommGroup) -> None:
-        self.group = group
-        self.messenger = Messenger(group, self.config.timeout_s)
-        self.executor.attach(self.messenger)
-        self.stepper.messenger = self.messenger
-        if self.ckpt is not None:
-            self.ckpt.attach(group)
 
     def _release(self) -> None:
         """Let go of this epoch's groups and of every pending operation on them: their connections close, so
         every rank still waiting on this one fails at once and joins the recovery too."""
         self.executor.abandon()
-        self.executor.attach(None)
-        self.stepper.messenger = None  # type: ignore[assignment]
-        if self._feed is not None and hasattr(self._feed, "messenger"):
-            self._feed.messenger = None
-        self.messenger = None
-        group, self.group = self.group, None
-        if group is not None:
-            group.abort()
-            group.close()
-        del group
-        gc.collect()
+        self.connection.release()
 
-    def _flush_sends(self) -> None:
-        if self.messenger is not None:
-            self.messenger.flush()
+    @property
+    def group(self) -> CommGroup:
+        """The current epoch's process groups (:class:`NotConnectedError` between epochs)."""
+        return self.connection.group
+
+    @property
+    def messenger(self) -> Messenger:
+        """The current epoch's messenger (:class:`NotConnectedError` between epochs)."""
+        return self.connection.messenger
 
     def _recover(self, failure: str) -> None:
         """A peer failed: recover in place (see :mod:`pipedream_ft.ft.inplace`), then count the work redone."""
@@ -536,7 +522,7 @@ class PipelineTrainer:
     # -- training -------------------------------------------------------------------------------------------
 
     def _feed_for(self, data: Any, steps: int) -> CallableFeed | StreamFeed:
-        self._feed = training_feed(data, self._feed, topo=self.topo, messenger=self.messenger,
+        self._feed = training_feed(data, self._feed, topo=self.topo, connection=self.connection,
                                    component=self.data_state, position=self.position, steps=steps,
                                    checkpointing=self.ckpt is not None)
         return self._feed
@@ -637,7 +623,7 @@ class PipelineTrainer:
             if self.state.tied:
                 self.state.tied.drain(stop // self.mode.update_unit(self.topo))
             self.hooks.on_event("draining")
-            self._flush_sends()
+            self.connection.flush()
             self.faults.at_drained()
             return None
         except PipelineSetupError as exc:  # found here; any recovery would meet it again: the whole group stops
@@ -729,7 +715,7 @@ class PipelineTrainer:
 
     def release(self) -> None:
         """Shut this rank's process groups down now (idempotent; also done at interpreter exit)."""
-        if self.group is not None:
+        if self.connection.configured:
             self._release()
         _OPEN.discard(self)
 
@@ -760,7 +746,7 @@ class _PipelineSide:
         self.t._release()
 
     def rebuild(self, store: Any, cancelled: Callable[[], bool]) -> None:
-        self.t._attach(self.t._make_group(store, cancelled=cancelled))
+        self.t._connect(store, cancelled=cancelled)
 
     def restore(self, part: dict[str, Any]) -> None:
         self.t.state.restore(part)
@@ -770,8 +756,7 @@ class _PipelineSide:
         t.executor.rewind(cut)
         feed = t._feed
         if isinstance(feed, StreamFeed):  # stage 0 reads the source again from the restored state
-            assert t.messenger is not None
-            feed.rewind(t.messenger)
+            feed.rewind()
             if t.topo.is_first:
                 t.data_state.attach(feed, t.position)
 

@@ -56,6 +56,7 @@ from ..checkpoint.snapshot import immutable
 from ..checkpoint.tiers import TierWriter
 from ..errors import EXIT_PREEMPTED, JobError, PipelineError, PipelineSetupError, say
 from .cuts import CUT, DURABLE, REPLAN, STOP
+from ..pipeline.connection import Connection
 from ..pipeline.group import CommGroup
 from ..pipeline.hooks import Hooks
 from ..pipeline.modes import Mode
@@ -195,10 +196,10 @@ class _BuddyTier(Tier):
 
 class Checkpointer:
     """One rank's side of checkpointing: deciding (stage 0), saving to the tiers, committing (rank 0),
-    and restoring. The process group is given with :meth:`attach` (it changes with every in-place recovery)."""
+    and restoring. It talks through ``connection``, whose groups change with every in-place recovery."""
 
     def __init__(self, config: CheckpointConfig, *, topo: Topology, mode: Mode, state: StageState,
-                 coordinator: Coordinator, hooks: Hooks, flush_sends: Callable[[], None],
+                 coordinator: Coordinator, hooks: Hooks, connection: Connection,
                  profile: Profile | None = None, job: str | None = None) -> None:
         """``job``: identifies the job across its processes (torchrun's run id); ``None``: no memory tier (it
         needs a job-scoped name that a restarted process finds again)."""
@@ -208,8 +209,7 @@ class Checkpointer:
         self.state = state
         self.coordinator = coordinator
         self.hooks = hooks
-        self.flush_sends = flush_sends
-        self.group: CommGroup | None = None
+        self.connection = connection
         self.before_save: Callable[[int], None] | None = None
         """Called with the cut before each save (fault injection uses it)."""
         self.replan_due: Callable[[int], bool] | None = None
@@ -300,9 +300,10 @@ class Checkpointer:
         self.unfinished: str | None = None
         """After :meth:`finish`: why the last durable cut is not committed (``None`` if it is, or none was due)."""
 
-    def attach(self, group: CommGroup) -> None:
-        """The process group of the current epoch (for agreeing on a checkpoint)."""
-        self.group = group
+    @property
+    def group(self) -> CommGroup:
+        """The current epoch's process groups (for agreeing on a checkpoint)."""
+        return self.connection.group
 
     @property
     def tiers(self) -> list[str]:
@@ -386,7 +387,6 @@ class Checkpointer:
         in some tier (its part verified), or a durable checkpoint of another plan of this model (an elastic
         resize: resharded by layer), whichever is newer; older ones if a part does not verify. Returns the
         position to continue from, or ``None``. A collective."""
-        assert self.group is not None
         self._claim()
         if not self.config.resume:
             return None
@@ -408,7 +408,6 @@ class Checkpointer:
     def _claim(self) -> None:
         """Rank 0 claims the durable location for this job (see :mod:`pipedream_ft.checkpoint.owner`) before
         anything is written there; every rank stops with the same line if it is another job's. A collective."""
-        assert self.group is not None
         problem = ""
         if self.owner is not None:
             try:
@@ -428,7 +427,6 @@ class Checkpointer:
 
     def _restore_same(self, cut: int) -> int | None:
         """Load this rank's part of ``cut`` (written under this plan); ``None`` if some rank's part does not verify."""
-        assert self.group is not None
         part, problem = None, ""
         try:
             part = self.load(cut)
@@ -445,7 +443,7 @@ class Checkpointer:
     def _restore_resharded(self, step: int) -> int | None:
         """Gather this stage's layers from durable checkpoint ``step`` (another plan of this model); ``None`` if
         it is of this plan or some part does not verify. Returns the position to continue from."""
-        assert self.storage is not None and self.group is not None
+        assert self.storage is not None
         topo = self.topo
         parts: list[dict[str, Any]] = []
         problem = ""
@@ -588,7 +586,7 @@ class Checkpointer:
         if self.memory is not None:
             self._collect_memory()
         if flags & STOP:
-            self.flush_sends()  # downstream stages still need what was sent before the cut
+            self.connection.flush()  # downstream stages still need what was sent before the cut
             remaining = self.preemption.remaining_s() if self.preemption and self.preemption.requested \
                 else self.config.grace_s
             for writer in (self.memory, self.writer):

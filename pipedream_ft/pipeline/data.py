@@ -51,6 +51,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import JobError, PipelineError, PipelineSetupError
 from .comm import Header, Messenger
+from .connection import Connection
 from .group import CommGroup
 from .schedule import in_flight
 from .sources import describe, is_stateful, resume_problem, source_length, wrap
@@ -161,12 +162,12 @@ class StreamFeed:
     ``record``: keep the ring of source states (checkpointing is on).
     """
 
-    def __init__(self, source: Any, *, topo: Topology, messenger: Messenger, channel: str = "tgt",
+    def __init__(self, source: Any, *, topo: Topology, connection: Connection, channel: str = "tgt",
                  record: bool = False) -> None:
         self.source = source
         self.iterable = wrap(source)
         self.topo = topo
-        self.messenger = messenger
+        self.connection = connection
         self.channel = channel
         self.record = record and is_stateful(self.iterable)
         self.name = describe(source)
@@ -182,10 +183,13 @@ class StreamFeed:
         self._preflight_targets: Any = None
         self._local_targets: dict[int, Any] = {}
 
-    def rewind(self, messenger: Messenger) -> None:
-        """The group failed and was formed again: forget what was read ahead and use ``messenger``; stage 0 is
-        then positioned again with :meth:`DataComponent.attach` (the restored state)."""
-        self.messenger = messenger
+    @property
+    def messenger(self) -> Messenger:
+        return self.connection.messenger
+
+    def rewind(self) -> None:
+        """The group failed and was formed again: forget what was read ahead; stage 0 is then positioned again
+        with :meth:`DataComponent.attach` (the restored state)."""
         self._cache.clear()
         self._ring.clear()
         self._local_targets.clear()
@@ -302,11 +306,11 @@ class StreamFeed:
         return unpack_targets(tensors)
 
 
-def make_feed(data: Any, *, topo: Topology, messenger: Messenger, channel: str = "tgt",
+def make_feed(data: Any, *, topo: Topology, connection: Connection, channel: str = "tgt",
               record: bool = False) -> CallableFeed | StreamFeed:
     """The feed for ``data``: a callable, or an iterable (see :mod:`pipedream_ft.pipeline.sources`)."""
     if hasattr(data, "__iter__"):
-        return StreamFeed(data, topo=topo, messenger=messenger, channel=channel, record=record)
+        return StreamFeed(data, topo=topo, connection=connection, channel=channel, record=record)
     if callable(data):
         return CallableFeed(data)
     raise PipelineSetupError(f"data must be a callable data(b) -> (inputs, targets), a DataLoader, or an iterable of "
@@ -365,7 +369,7 @@ class DataComponent:
         self.feed = feed
 
 
-def training_feed(data: Any, current: CallableFeed | StreamFeed | None, *, topo: Topology, messenger: Messenger,
+def training_feed(data: Any, current: CallableFeed | StreamFeed | None, *, topo: Topology, connection: Connection,
                   component: DataComponent, position: int, steps: int, checkpointing: bool
                   ) -> CallableFeed | StreamFeed:
     """The feed for training minibatches ``[position, position + steps)`` from ``data``: ``current`` if it reads
@@ -376,7 +380,7 @@ def training_feed(data: Any, current: CallableFeed | StreamFeed | None, *, topo:
     A collective for iterable sources only (a callable, as always, is trusted without one).
     """
     fresh = current is None or current.source is not data
-    feed = make_feed(data, topo=topo, messenger=messenger, record=checkpointing) if fresh else current
+    feed = make_feed(data, topo=topo, connection=connection, record=checkpointing) if fresh else current
     assert feed is not None
     if isinstance(feed, CallableFeed):
         component.feed = None  # checkpoints no longer hold a stream's state
@@ -388,5 +392,5 @@ def training_feed(data: Any, current: CallableFeed | StreamFeed | None, *, topo:
             except Exception as exc:  # a state that does not load, a source shorter than its len()
                 problem = (f"cannot position data source {feed.name} at minibatch {position}: "
                            f"{type(exc).__name__}: {exc}")
-        agree(messenger.group, problem)
+        agree(connection.group, problem)
     return feed

@@ -69,7 +69,7 @@ def evaluate(ex: Executor, data: Any, steps: int, metric_fn: MetricFn | None = N
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     topo, module, messenger = ex.topo, ex.state.module, ex.messenger
-    feed = make_feed(data, topo=topo, messenger=messenger, channel="eval-tgt")
+    feed = make_feed(data, topo=topo, connection=ex.connection, channel="eval-tgt")
     if isinstance(feed, StreamFeed):
         problem = source_problem(data, start=0, stop=steps, checkpointing=False, what="evaluation")
         if problem is None and data is training_source:

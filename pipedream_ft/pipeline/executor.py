@@ -37,8 +37,10 @@ from torch.utils._pytree import tree_leaves
 
 from ..errors import PipelineSetupError
 from .comm import Header, Messenger, RecvHandle, TensorSpec
+from .connection import Connection
 from .crossing import Structure, outgoing
 from .data import bind_inputs
+from .group import CommGroup
 from .hooks import Hooks
 from .modes import Mode
 from .splitbackward import WeightBackward, input_backward
@@ -118,8 +120,8 @@ def _ranges(idx: Sequence[int]) -> str:
 class Executor:
     """Runs one stage replica's actions (see the module docstring)."""
 
-    def __init__(self, topo: Topology, state: StageState, mode: Mode, *, device: torch.device,
-                 loss_fn: Callable[[Any, Any], torch.Tensor], seed: int, hooks: Hooks,
+    def __init__(self, topo: Topology, state: StageState, mode: Mode, *, connection: Connection,
+                 device: torch.device, loss_fn: Callable[[Any, Any], torch.Tensor], seed: int, hooks: Hooks,
                  step: Callable[[], None] | None = None,
                  autocast: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
                  loss_factor: Callable[[], float] | None = None,
@@ -129,8 +131,8 @@ class Executor:
         self.topo = topo
         self.state = state
         self.mode = mode
-        self.messenger: Messenger = None  # type: ignore[assignment]  # see attach()
-        self.group: Any = None
+        self.connection = connection
+        """Where the current epoch's messenger and groups come from."""
         self.device = device
         self.loss_fn = loss_fn
         self.seed = seed
@@ -167,12 +169,13 @@ class Executor:
         self.loss_factor: Callable[[], float] = loss_factor if loss_factor is not None else (lambda: 1.0)
         """A further factor on each loss before its backward (the float16 loss scale)."""
 
-    def attach(self, messenger: Messenger | None) -> None:
-        """Talk through ``messenger`` (the current epoch's); ``None`` lets go of the previous one."""
-        self.messenger = messenger  # type: ignore[assignment]
-        self.group = messenger.group if messenger is not None else None
-        if self.state.tied:
-            self.state.tied.messenger = messenger
+    @property
+    def messenger(self) -> Messenger:
+        return self.connection.messenger
+
+    @property
+    def group(self) -> CommGroup:
+        return self.connection.group
 
     # -- inputs ---------------------------------------------------------------------------------------------
 

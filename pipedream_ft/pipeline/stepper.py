@@ -27,8 +27,8 @@ import math
 
 import torch
 
-from .comm import Messenger
 from .compensation import Compensation, Compensator, momentum_of
+from .connection import Connection
 from .precision import LossScaler
 from .scheduler import SchedulerComponent
 from .state import StageState
@@ -40,7 +40,7 @@ __all__ = ["Stepper"]
 class Stepper:
     """Applies a stage replica's accumulated gradients (see the module docstring)."""
 
-    def __init__(self, state: StageState, *, topo: Topology, synchronous: bool, messenger: Messenger,
+    def __init__(self, state: StageState, *, topo: Topology, synchronous: bool, connection: Connection,
                  clip_grad_norm: float | None = None, scaler: LossScaler | None = None,
                  scheduler: SchedulerComponent | None = None, compensation: Compensation | None = None,
                  delay: int = 0) -> None:
@@ -51,7 +51,7 @@ class Stepper:
         self.state = state
         self.topo = topo
         self.synchronous = synchronous
-        self.messenger = messenger
+        self.connection = connection
         self.clip = clip_grad_norm
         self.scaler = scaler
         self.scheduler = scheduler
@@ -82,8 +82,9 @@ class Stepper:
             if self.clip is not None and self.topo.replica == 0 and grads:
                 sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]).pow(2).sum()
             flat = torch.stack([sq.cpu(), found.cpu().double()])
-            work = self.messenger.group.control.allreduce([flat])
-            self.messenger.wait(work, "all-reduce of gradient norms and overflow flags over every stage")
+            messenger = self.connection.messenger
+            work = messenger.group.control.allreduce([flat])
+            messenger.wait(work, "all-reduce of gradient norms and overflow flags over every stage")
             skip = bool(flat[1] > 0)
             if self.clip is not None and not skip:
                 self._scale(grads, math.sqrt(float(flat[0])))

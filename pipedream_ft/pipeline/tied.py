@@ -37,6 +37,7 @@ from torch import nn
 from partitioner.plan import PlanError
 
 from ..errors import PipelineSetupError
+from .connection import Connection
 from .modes import Mode
 from .topology import Topology
 from .versions import Version, VersionStore
@@ -145,12 +146,13 @@ class TiedParameters:
 
     def __init__(self, specs: Sequence[TiedSpec], objects: dict[str, nn.Parameter], module: nn.Module,
                  topo: Topology, mode: Mode,
-                 optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
+                 optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
+                 connection: Connection) -> None:
         """``specs``: every tied parameter of the plan (the same list, in the same order, on every rank);
         ``objects[spec.name]``: the parameter object (this rank's copy); ``module``: this rank's stage."""
         self.topo = topo
         self.mode = mode
-        self.messenger: Any = None
+        self.connection = connection
         names_of: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             names_of.setdefault(id(p), []).append(name)
@@ -223,7 +225,7 @@ class TiedParameters:
             g.param.grad = None
             g.grads.setdefault(round_, {})[self.topo.stage] = grad
             for stage, peer in g.partners.items():
-                self.messenger.send_tensor(peer, round_, self._slots[(g.index, stage)], grad, "tied")
+                self.connection.messenger.send_tensor(peer, round_, self._slots[(g.index, stage)], grad, "tied")
                 self._post(g, round_, stage)
             if together or g.is_first:
                 self._apply_until(g, round_ + 1)
@@ -238,7 +240,7 @@ class TiedParameters:
         if key not in g.recvs:
             buf = torch.empty_like(g.param)
             peer = g.partners[stage]
-            g.recvs[key] = (self.messenger.recv_tensor(peer, round_, self._slots[(g.index, stage)], buf, "tied"), buf)
+            g.recvs[key] = (self.connection.messenger.recv_tensor(peer, round_, self._slots[(g.index, stage)], buf, "tied"), buf)
 
     def _apply_until(self, g: _Group, updates: int) -> None:
         while g.applied < updates:
@@ -251,7 +253,7 @@ class TiedParameters:
                 if stage not in grads:
                     self._post(g, k, stage)
                     work, buf = g.recvs.pop((k, stage))
-                    self.messenger.wait(work, f"tied gradient of {g.spec.name}, update {k}, from rank {peer}")
+                    self.connection.messenger.wait(work, f"tied gradient of {g.spec.name}, update {k}, from rank {peer}")
                     grads[stage] = buf
                 else:
                     g.recvs.pop((k, stage), None)
