@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ft_bench_worker import make_data, make_optimizer, mlp, mlp_plan  # noqa: E402
 
 import pipedream_ft  # noqa: E402
-from pipedream_ft import CheckpointConfig, EveryNSteps, Hooks, PipelineConfig, PipelineTrainer  # noqa: E402
+from pipedream_ft import CheckpointConfig, EveryNSteps, Hooks, PipelineConfig, PipelineTrainer, read_env  # noqa: E402
 
 __all__ = ["main"]
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    incarnation = int(os.environ.get("PIPEDREAM_FT_INCARNATION", "0"))
+    incarnation = read_env().incarnation
     events = Path(args.events)
     events.mkdir(parents=True, exist_ok=True)
     if args.double is not None and incarnation == 1:

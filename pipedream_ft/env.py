@@ -3,9 +3,10 @@
 torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT`` and, under its
 elastic agent, ``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_USE_AGENT_STORE``.
-A supervisor (:func:`pipedream_ft.launch`) sets ``PIPEDREAM_FT_RECOVERY``, ``PIPEDREAM_FT_INCARNATION``,
-``PIPEDREAM_FT_ROUND`` and ``PIPEDREAM_FT_SUPERVISOR`` for the process it starts. The user may set
-``PIPEDREAM_FT_LOG_DIR`` (where a crashed process's traceback goes, see :mod:`pipedream_ft.crashlog`).
+A supervisor (:func:`pipedream_ft.launch`) hands the process it starts its own :class:`DistEnv`
+(:func:`hand_over`: recovery mode, incarnation, the round it joins, the supervisor's id), which :func:`read_env`
+returns there; nothing is written to ``os.environ``. The user may set ``PIPEDREAM_FT_RECOVERY`` (the recovery
+mode :func:`pipedream_ft.launch` picks, :func:`requested_recovery`) and ``PIPEDREAM_FT_LOG_DIR`` (where a crashed process's traceback goes, see :mod:`pipedream_ft.crashlog`).
 Every field can be overridden by keyword, so tests and notebooks need no environment at all.
 
 The user's other settings are read through :func:`setting`, by name from :data:`SETTINGS` (the defaults of
@@ -18,7 +19,7 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
-__all__ = ["DistEnv", "SETTINGS", "read_env", "reported_rank", "setting"]
+__all__ = ["DistEnv", "SETTINGS", "hand_over", "read_env", "reported_rank", "requested_recovery", "setting"]
 
 SETTINGS = {
     "PIPEDREAM_FT_HEALTH_FILE": "a file refreshed while the rank makes progress (PipelineConfig.health_file)",
@@ -123,8 +124,34 @@ _VARS = {
 }
 
 
+_handed: DistEnv | None = None
+"""The environment a supervisor handed this process (see :func:`hand_over`)."""
+
+
+def hand_over(env: DistEnv | None) -> None:
+    """Make ``env`` this process's environment: :func:`read_env` returns it (with any overrides) instead of
+    reading ``os.environ``. A supervisor calls it in the training process it starts; ``None`` undoes it."""
+    global _handed
+    if env is not None and not isinstance(env, DistEnv):
+        raise TypeError(f"hand_over needs a DistEnv or None, got {type(env).__name__}")
+    _handed = env
+
+
+def requested_recovery(environ: Mapping[str, str] | None = None) -> str | None:
+    """The recovery mode the user asked for with ``PIPEDREAM_FT_RECOVERY`` (``None``: unset, the launcher
+    picks)."""
+    return (os.environ if environ is None else environ).get("PIPEDREAM_FT_RECOVERY") or None
+
+
 def read_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> DistEnv:
-    """Build a :class:`DistEnv` from ``environ`` (default ``os.environ``), then apply ``overrides``."""
+    """Build a :class:`DistEnv` from ``environ`` (default: the one handed to this process by its supervisor, else
+    ``os.environ``), then apply ``overrides``."""
+    known = {f.name for f in fields(DistEnv)}
+    unknown = set(overrides) - known
+    if unknown:
+        raise TypeError(f"unknown DistEnv fields: {sorted(unknown)}")
+    if environ is None and _handed is not None:
+        return replace(_handed, **overrides) if overrides else _handed
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for field_name, (var, conv) in _VARS.items():
@@ -135,8 +162,4 @@ def read_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> Dist
             values[field_name] = conv(raw)
         except ValueError:
             raise ValueError(f"environment variable {var}={raw!r} is not valid") from None
-    known = {f.name for f in fields(DistEnv)}
-    unknown = set(overrides) - known
-    if unknown:
-        raise TypeError(f"unknown DistEnv fields: {sorted(unknown)}")
     return replace(DistEnv(**values), **overrides) if overrides else DistEnv(**values)

@@ -27,10 +27,11 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import replace
 from typing import Any, Callable, NoReturn
 
 from .crashlog import crashed
-from .env import read_env
+from .env import hand_over, read_env, requested_recovery
 from .errors import EXIT_RUNTIME, EXIT_SETUP
 from .reporting import run_reporting_errors
 
@@ -69,7 +70,7 @@ def launch(main: Callable[..., Any], *args: Any, recovery: str | None = None, ma
     to torchrun.
     """
     env = read_env()
-    mode = recovery or os.environ.get("PIPEDREAM_FT_RECOVERY") or ("in-place" if env.use_agent_store else "restart")
+    mode = recovery or requested_recovery() or ("in-place" if env.use_agent_store else "restart")
     if mode not in RECOVERY_MODES:
         raise ValueError(f"recovery must be one of {RECOVERY_MODES}, got {mode!r}")
     if mode == "in-place" and not (env.use_agent_store and hasattr(os, "fork")):
@@ -81,7 +82,7 @@ def launch(main: Callable[..., Any], *args: Any, recovery: str | None = None, ma
         from .ft.coordination import stop_job, stopped_job
         from .trainer import release_all
 
-        mine = read_env()  # as the supervisor set it for this process
+        mine = read_env()  # as the supervisor handed it to this process
         if stopped_job(mine) is not None:  # an earlier attempt stopped on an error that would recur: its line is out
             return EXIT_SETUP
         def guarded() -> Any:
@@ -118,7 +119,7 @@ def launch(main: Callable[..., Any], *args: Any, recovery: str | None = None, ma
         supervisor = Supervisor(env, max_replacements=max_replacements)
         code = supervisor.run(train)
     else:
-        os.environ["PIPEDREAM_FT_RECOVERY"] = "restart"
+        hand_over(replace(env, recovery="restart"))
         code = train()
     logging.shutdown()
     sys.stdout.flush()

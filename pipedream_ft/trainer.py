@@ -317,9 +317,8 @@ class PipelineTrainer:
         if checkpoint is not None:
             self.ckpt = Checkpointer(checkpoint, topo=topo, mode=self.mode, state=self.state,
                                      coordinator=self.coordinator, hooks=self.hooks, connection=self.connection,
-                                     profile=profile, job=self.coordinator.job_id())
-            if self.faults:
-                self.faults.instrument(self.ckpt)
+                                     profile=profile, job=self.coordinator.job_id(),
+                                     faults=self.faults if self.faults.checkpoint_faults else None)
         scaler = self.scaler
         self.executor = Executor(topo, self.state, self.mode, connection=self.connection, device=self.device,
                                  loss_fn=loss_fn, seed=config.seed, hooks=self.hooks, step=self.stepper.step,

@@ -63,7 +63,7 @@ def main() -> None:
     from pipedream_ft import CheckpointConfig
     from pipedream_ft import shutdown
     from pipedream_ft.policies import EveryNSteps
-    from pipedream_ft import PipelineConfig, PipelineTrainer
+    from pipedream_ft import PipelineConfig, PipelineTrainer, read_env
 
     def slow_data(b: int):
         if args.sleep_ms:
@@ -73,7 +73,7 @@ def main() -> None:
     options = json.loads(args.storage_options) if args.storage_options else None
     model = mlp()
     stages = [[0, 1], [2, 3], [4, 5], [6, 7, 8]]
-    if args.odd_replacement and int(os.environ.get("PIPEDREAM_FT_INCARNATION", "0")) > 0:
+    if args.odd_replacement and read_env().incarnation > 0:
         stages = [[0, 1, 2], [3], [4, 5], [6, 7, 8]]
     plan = plan_for(model, stages)
     t_start = time.time()

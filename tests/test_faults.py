@@ -45,6 +45,31 @@ def test_faults_are_armed_for_their_attempt_only():
     inj.at_forward(4)  # fired once only
 
 
+def test_checkpoint_faults_act_through_the_declared_seams_only(tmp_path, monkeypatch):
+    """``ckpt_crash`` acts in the storage's ``before_write`` seam and ``corrupt`` in the checkpointer's
+    ``before_save``; the injector replaces no method of either."""
+    from pipedream_ft.checkpoint import Storage
+
+    assert not FaultInjector(parse_faults("kill@rank=0,step=3"), rank=0, attempt=0).checkpoint_faults
+    assert not FaultInjector(parse_faults("ckpt_crash@rank=1,step=3"), rank=0, attempt=0).checkpoint_faults
+    inj = FaultInjector(parse_faults("ckpt_crash@rank=0,step=4,attempt=1"), rank=0, attempt=0)
+    assert inj.checkpoint_faults  # armed in a later attempt: the seam is declared now
+    killed: list[int] = []
+    monkeypatch.setattr(faults_mod.os, "kill", lambda pid, sig: killed.append(sig))
+    storage = Storage(str(tmp_path), before_write=inj.before_part_write)
+    storage.write_bytes("step-0000000004/part-stage0.pt", b"0123456789")  # attempt 0: not armed
+    assert not killed and storage.read_bytes("step-0000000004/part-stage0.pt") == b"0123456789"
+    inj.set_attempt(1)
+    storage.write_bytes("step-0000000003/part-stage0.pt", b"abcdefgh")  # before its step
+    storage.write_bytes("step-0000000005/commit.json", b"{}")  # not a part
+    assert not killed
+    storage.write_bytes("step-0000000005/part-stage0.pt", b"abcdefgh")  # os.kill is stubbed: the write goes on
+    assert killed and storage.read_bytes("step-0000000005/part-stage0.pt.partial") == b"abcd"
+    killed.clear()
+    storage.write_bytes("step-0000000006/part-stage0.pt", b"abcdefgh")  # fired once only
+    assert not killed
+
+
 def test_a_tagged_fault_needs_the_store():
     with pytest.raises(ValueError, match="need the job's store"):
         FaultInjector(parse_faults("kill@rank=1,step=2,together=a;kill@rank=2,step=2,together=a"), rank=1,

@@ -221,6 +221,7 @@ class Storage:
         *,
         retry: RetryConfig | None = None,
         direct_io: bool = True,
+        before_write: Callable[[Storage, str, Any], None] | None = None,
     ) -> None:
         if not isinstance(url, (str, os.PathLike)):
             raise TypeError(f"url must be a str or path, got {type(url).__name__}")
@@ -229,6 +230,9 @@ class Storage:
             raise ValueError("url must be non-empty, got ''")
         if storage_options is not None and not isinstance(storage_options, Mapping):
             raise TypeError(f"storage_options must be a mapping, got {type(storage_options).__name__}")
+        self._before_write = before_write
+        """A declared seam: called as ``before_write(storage, rel, data)`` before each :meth:`write_bytes`
+        (fault injection crashes a rank mid-write there)."""
         self._raw_url = url
         self._options: dict[str, Any] = dict(storage_options or {})
         self._retry = retry if retry is not None else RetryConfig()
@@ -413,6 +417,8 @@ class Storage:
         self._check_rel(rel)
         if not isinstance(data, (bytes, bytearray, memoryview, Buffers)):
             raise TypeError(f"data must be bytes, got {type(data).__name__}")
+        if self._before_write is not None:
+            self._before_write(self, rel, data)
         if self.is_local:
             if not isinstance(data, Buffers):
                 data = bytes(data)  # the caller may change a bytearray while we retry

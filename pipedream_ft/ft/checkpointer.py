@@ -200,9 +200,11 @@ class Checkpointer:
 
     def __init__(self, config: CheckpointConfig, *, topo: Topology, mode: Mode, state: StageState,
                  coordinator: Coordinator, hooks: Hooks, connection: Connection,
-                 profile: Profile | None = None, job: str | None = None) -> None:
+                 profile: Profile | None = None, job: str | None = None, faults: Any = None) -> None:
         """``job``: identifies the job across its processes (torchrun's run id); ``None``: no memory tier (it
-        needs a job-scoped name that a restarted process finds again)."""
+        needs a job-scoped name that a restarted process finds again). ``faults``: injected failures acting
+        through the declared seams (a :class:`~pipedream_ft.ft.faults.FaultInjector`: ``before_part_write`` on
+        the storage, ``before_save`` here), or ``None``."""
         self.config = config
         self.topo = topo
         self.mode = mode
@@ -210,8 +212,9 @@ class Checkpointer:
         self.coordinator = coordinator
         self.hooks = hooks
         self.connection = connection
-        self.before_save: Callable[[int], None] | None = None
-        """Called with the cut before each save (fault injection uses it)."""
+        self.before_save: Callable[[int], None] | None = \
+            (lambda cut: faults.before_save(self, cut)) if faults is not None else None
+        """Called with the cut before each save (the fault injection seam)."""
         self.replan_due: Callable[[int], bool] | None = None
         """Stage 0: whether to stop at this cut for a better plan (see :mod:`pipedream_ft.ft.replan`)."""
         plan = topo.plan
@@ -226,7 +229,8 @@ class Checkpointer:
         self.owner: Owner | None = None
         self._profile = profile
         if config.url is not None:
-            self.storage = Storage(config.url, config.storage_options)
+            self.storage = Storage(config.url, config.storage_options,
+                                   before_write=faults.before_part_write if faults is not None else None)
             if self.storage.per_process():
                 raise PipelineSetupError(
                     f"checkpoint url {self.storage.url}: {self.storage.protocol}:// keeps its data inside each "

@@ -207,14 +207,16 @@ class FaultInjector(Hooks):
             say(f"pipedream-ft: rank {self.rank}: injecting fault {f}", sys.stdout)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def instrument(self, checkpointer: Any) -> None:
-        """Arm the checkpoint faults on ``checkpointer``: ``ckpt_crash`` through its storage's writes, ``corrupt``
-        before its saves."""
-        storage = checkpointer.storage
-        if storage is not None:  # None: the memory tier alone (no durable writes to crash in)
-            storage.write_bytes = self.wrap_part_write(storage.write_bytes)
+    @property
+    def checkpoint_faults(self) -> bool:
+        """Whether any fault acts through the checkpointer's seams (:meth:`before_part_write`,
+        :meth:`before_save`)."""
+        return any(f.kind in ("ckpt_crash", "corrupt") for f in self._mine)
+
+    def before_save(self, checkpointer: Any, cut: int) -> None:
+        """The checkpointer's seam before each save of ``cut``: a ``corrupt`` fault acts here."""
         if any(f.kind == "corrupt" for f in self.faults):
-            checkpointer.before_save = lambda cut: self._corrupt_before(checkpointer, cut)
+            self._corrupt_before(checkpointer, cut)
 
     def _corrupt_before(self, ckpt: Any, cut: int) -> None:
         """``corrupt``: at a save after checkpoint ``step``, damage this rank's part of the newest committed
@@ -249,22 +251,16 @@ class FaultInjector(Hooks):
             say(f"pipedream-ft: rank {self.rank}: injecting fault {f}", sys.stdout)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def wrap_part_write(self, write: Callable[[str, bytes], Any]) -> Callable[[str, bytes], Any]:
-        """Wrap ``Storage.write_bytes`` so a ``ckpt_crash`` fault kills the rank mid-write of its part."""
-        if not any(f.kind == "ckpt_crash" for f in self._mine):
-            return write
-
-        def crashing_write(rel: str, data: bytes) -> Any:
-            step = _step_of(rel)
-            # the faults armed now: a replacement process (in place) is started at attempt 0 and armed for its own
-            # attempt once the group is formed, before it writes anything
-            if step is not None and rel.endswith(".pt") and self._take(("ckpt_crash",), step) is not None:
-                say(f"pipedream-ft: rank {self.rank}: injecting fault ckpt_crash while writing {rel}", sys.stdout)
-                write(rel + ".partial", data[: len(data) // 2])
-                os.kill(os.getpid(), signal.SIGKILL)
-            return write(rel, data)
-
-        return crashing_write
+    def before_part_write(self, storage: Any, rel: str, data: Any) -> None:
+        """The storage's seam before each write (``Storage(before_write=...)``): a ``ckpt_crash`` fault kills the
+        rank mid-write of its part, leaving half of it behind."""
+        step = _step_of(rel)
+        # the faults armed now: a replacement process (in place) is started at attempt 0 and armed for its own
+        # attempt once the group is formed, before it writes anything
+        if step is not None and rel.endswith(".pt") and self._take(("ckpt_crash",), step) is not None:
+            say(f"pipedream-ft: rank {self.rank}: injecting fault ckpt_crash while writing {rel}", sys.stdout)
+            storage.write_bytes(rel + ".partial", data[: len(data) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def after_commit(self, step: int, corrupt: Callable[[], None]) -> None:
         """Called once checkpoint ``step`` is known committed; a ``corrupt`` fault damages it and dies."""

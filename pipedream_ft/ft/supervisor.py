@@ -31,10 +31,11 @@ import signal
 import sys
 import time
 import uuid
+from dataclasses import replace
 from types import FrameType
 from typing import Callable
 
-from ..env import DistEnv
+from ..env import DistEnv, hand_over
 from ..errors import EXIT_RECOVERY_FAILED, EXIT_REPLAN, EXIT_SETUP, say
 from .coordination import FORMED, Coordinator, LiveGroup, base_store
 
@@ -130,13 +131,8 @@ class Supervisor:
             _die_with_parent()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_DFL)
-            os.environ["PIPEDREAM_FT_RECOVERY"] = "in-place"
-            os.environ["PIPEDREAM_FT_INCARNATION"] = str(incarnation)
-            os.environ["PIPEDREAM_FT_SUPERVISOR"] = self.id
-            if live is not None:
-                os.environ["PIPEDREAM_FT_ROUND"] = live.round_id
-            else:
-                os.environ.pop("PIPEDREAM_FT_ROUND", None)
+            hand_over(replace(self.env, recovery="in-place", incarnation=incarnation, supervisor=self.id,
+                              live_round=live.round_id if live is not None else None))
             code = train()
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
