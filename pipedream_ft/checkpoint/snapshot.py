@@ -5,7 +5,7 @@ snapshot until the part is persisted, so:
 
 * tensors the caller marks with :func:`immutable` are never modified after creation (weight versions): the
   snapshot keeps a *reference* to them, no copy (on a GPU their device-to-host copy happens later, in the
-  persist thread, on a side CUDA stream);
+  persist thread, on a side CUDA stream, into pinned host buffers the pool reuses as it does the mutable ones);
 * every other tensor is *mutable* (live weights, optimizer state, buffers): it is copied, into buffers that a
   :class:`SnapshotPool` preallocates and reuses from one save to the next (no allocation, no page faults);
   CUDA tensors are copied into pinned host buffers on a side CUDA stream: training does not wait for the copy,
@@ -57,7 +57,9 @@ def immutable(value: Any) -> Immutable:
     return value if isinstance(value, Immutable) else Immutable(value)
 
 
-_Key = tuple[tuple[int, ...], torch.dtype, bool]
+_Key = tuple[tuple[int, ...], torch.dtype, str]
+"""(shape, dtype, kind): kind ``"cpu"`` (a page-aligned copy of a CPU tensor), ``"cuda"`` (a pinned copy of a
+mutable CUDA tensor) or ``"cuda-ref"`` (a pinned copy of an immutable one, made later by the persist thread)."""
 
 
 @dataclass(slots=True)
@@ -67,6 +69,17 @@ class _Arena:
 
     buffers: dict[_Key, list[torch.Tensor]] = field(default_factory=dict)
     busy: bool = False
+
+    def buffer(self, key: _Key, used: dict[_Key, int]) -> torch.Tensor:
+        """The next buffer of ``key`` in this snapshot, allocated on first use."""
+        n = used.get(key, 0)
+        used[key] = n + 1
+        kind = self.buffers.setdefault(key, [])
+        if n == len(kind):
+            shape, dtype, where = key
+            kind.append(aligned_empty(shape, dtype) if where == "cpu"  # page-aligned: written with O_DIRECT
+                        else torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True))
+        return kind[n]
 
 
 @dataclass(slots=True)
@@ -82,6 +95,8 @@ class Snapshot:
     _arena: _Arena | None = None
     _pool: SnapshotPool | None = None
     _events: list[Any] = field(default_factory=list)
+    _host_copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """(pinned buffer in the tree, immutable CUDA tensor) pairs still to copy."""
     _deferred: bool = False
 
     def materialize(self) -> Any:
@@ -90,6 +105,18 @@ class Snapshot:
         for ev in self._events:
             ev.synchronize()
         self._events.clear()
+        if self._host_copies:
+            assert self._pool is not None
+            done = []
+            for buf, src in self._host_copies:
+                with torch.cuda.stream(self._pool._side_stream(src.device)):
+                    buf.copy_(src, non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    done.append(ev)
+            for ev in done:
+                ev.synchronize()
+            self._host_copies.clear()
         if self._deferred:
             self.tree = _to_host(self.tree)
             self._deferred = False
@@ -169,12 +196,15 @@ class SnapshotPool:
             nbytes = value.numel() * value.element_size()
             if frozen:
                 snap.referenced_bytes += nbytes
+                if value.device.type == "cuda":  # copied by the persist thread, after the pending writes
+                    ev = torch.cuda.Event()
+                    ev.record(torch.cuda.current_stream(value.device))
+                    snap._events.append(ev)
+                    buf = arena.buffer((tuple(value.shape), value.dtype, "cuda-ref"), used)
+                    snap._host_copies.append((buf, value.detach()))
+                    return buf
                 if value.device.type != "cpu":
                     snap._deferred = True
-                    if value.device.type == "cuda":  # the persist thread's copy must follow pending writes
-                        ev = torch.cuda.Event()
-                        ev.record(torch.cuda.current_stream(value.device))
-                        snap._events.append(ev)
                 return value.detach()
             snap.copied_bytes += nbytes
             return self._copy(value.detach(), arena, snap, used)
@@ -201,18 +231,7 @@ class SnapshotPool:
 
     def _copy(self, src: torch.Tensor, arena: _Arena, snap: Snapshot, used: dict[_Key, int]) -> torch.Tensor:
         cuda = src.device.type == "cuda"
-        key = (tuple(src.shape), src.dtype, cuda)
-        n = used.get(key, 0)
-        used[key] = n + 1
-        kind = arena.buffers.setdefault(key, [])
-        if n < len(kind):
-            buf = kind[n]
-        else:
-            if cuda:
-                buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=True)
-            else:
-                buf = aligned_empty(src.shape, src.dtype)  # page-aligned: written with O_DIRECT, no copy
-            kind.append(buf)
+        buf = arena.buffer((tuple(src.shape), src.dtype, "cuda" if cuda else "cpu"), used)
         if cuda:
             main = torch.cuda.current_stream(src.device)
             side = self._side_stream(src.device)
