@@ -12,7 +12,10 @@ bandwidths and, unless ``--workers`` is given, the workers); the measured costs 
 with the plan, and the plan records them. ``--schedule`` ranks the schedules the runtime runs for the plan by
 their simulated time per minibatch with ``M`` minibatches per step (default ``2 x`` stages) and the memory each
 holds (:mod:`partitioner.schedule_choice`); ``auto`` picks the fastest synchronous one that fits ``--memory``. The
-plan records the choice and the ranking under ``settings["schedule"]``. Errors print one line
+plan records the choice and the ranking under ``settings["schedule"]``. ``--virtual-stages V`` adds the
+schedules of ``V`` stages per worker (interleaved 1F1B, interleaved zero-bubble, looped BFS; ZBV and DualPipeV
+for ``V = 2``) to the ranking, planned on ``workers x V`` straight stages at the slowest ``--bandwidth``: on
+paper only, since the runtime runs one stage per rank. Errors print one line
 ``pipedream-partition: error: ...`` and exit with status 2; the output
 file is then left untouched.
 """
@@ -30,7 +33,8 @@ from profiler.profile import ProfileError, load_profile
 from .optimizer import partition
 from .machine import load_machine
 from .plan import Plan, PlanError
-from .schedule_choice import DEFAULT_WEIGHT_FRACTION, RUNNABLE, choose, format_ranking, rank_schedules
+from .schedule_choice import (DEFAULT_WEIGHT_FRACTION, RUNNABLE, VIRTUAL, choose, format_ranking, rank_schedules,
+                              rank_virtual)
 
 __all__ = ["main", "format_plan", "layer_ranges", "FORMULAS"]
 
@@ -47,6 +51,7 @@ _BANDWIDTH = number("bandwidth", low=0, unit=" of bytes/s")
 _MEMORY = number("memory", low=0, unit=" of bytes")
 _MICROBATCHES = number("microbatches", integer=True, low=1)
 _FRACTION = number("weight-fraction", low=0, high=1)
+_VIRTUAL = number("virtual-stages", integer=True, low=2)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--weight-fraction", type=_FRACTION, default=None,
                     help="share of every backward taken as the weight gradient, for the split schedules (default: "
                          "as the profiler measured it, 0.5 for layers it did not)")
+    ap.add_argument("--virtual-stages", type=_VIRTUAL, default=None, metavar="V",
+                    help="with --schedule: also rank the schedules of V stages per worker (on paper: the runtime "
+                         "runs one stage per rank)")
     ap.add_argument("-o", "--output", required=True, help="where to write the plan JSON")
     return ap
 
@@ -122,6 +130,8 @@ def _run(argv: list[str] | None) -> int:
         plan = partition(profile, args.workers, None if machine else args.bandwidth, straight=args.straight,
                          memory_bytes=args.memory, machine=machine)
         ranking = None
+        if args.virtual_stages is not None and (args.schedule is None or args.machine is not None):
+            raise CliError("--virtual-stages needs --schedule, and --bandwidth rather than --machine")
         if args.schedule is not None:
             plan, ranking = _with_schedule(plan, profile, args)
     except (ProfileError, PlanError) as exc:
@@ -139,11 +149,19 @@ def _run(argv: list[str] | None) -> int:
 
 def _with_schedule(plan: Plan, profile: object, args: argparse.Namespace) -> tuple[Plan, str]:
     """The plan with its schedule chosen (``settings["schedule"]``), and the ranking's table."""
+    if args.schedule in VIRTUAL:
+        raise PlanError(f"schedule {args.schedule!r} gives each worker several stages, which the runtime does not run "
+                        f"(it runs {', '.join(RUNNABLE)}); --schedule auto --virtual-stages V ranks it on paper")
     if args.schedule != "auto" and args.schedule not in RUNNABLE:
         raise PlanError(f"--schedule must be auto or one of {', '.join(RUNNABLE)}, got {args.schedule!r}")
     m = args.microbatches or 2 * plan.num_stages
     ranking = rank_schedules(plan, profile, m, weight_fraction=args.weight_fraction,  # type: ignore[arg-type]
                              memory_bytes=args.memory)
+    if args.virtual_stages is not None:
+        ranking = sorted(ranking + rank_virtual(profile, plan.world_size, m, min(args.bandwidth),  # type: ignore
+                                                stages_per_worker=args.virtual_stages,
+                                                weight_fraction=args.weight_fraction, memory_bytes=args.memory),
+                         key=lambda r: (not r.fits, r.time_per_minibatch_s))
     if args.schedule == "auto":
         chosen = choose(ranking)
     else:
@@ -158,7 +176,8 @@ def _with_schedule(plan: Plan, profile: object, args: argparse.Namespace) -> tup
                           else f"measured, {DEFAULT_WEIGHT_FRACTION:g} where not")
     record = {"name": chosen.name, "microbatches": m, "weight_fraction": split,
               "ranking": [{"name": r.name, "time_per_minibatch_s": r.time_per_minibatch_s, "bubble": r.bubble,
-                           "peak_memory_bytes": r.peak_memory_bytes, "fits": r.fits} for r in ranking]}
+                           "peak_memory_bytes": r.peak_memory_bytes, "fits": r.fits, "runnable": r.runnable,
+                           "stages_per_worker": r.stages_per_worker} for r in ranking]}
     if chosen.name == "pipedream":
         how = "PipelineConfig(mode='stash')  (asynchronous: PipeDream's weight stashing)"
     else:

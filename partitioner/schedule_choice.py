@@ -17,6 +17,13 @@ minibatch in flight: ``(S - s) (P + A)``, the partitioner's own model. A schedul
 
 Only straight plans (one worker per stage) run GPipe and ZB-H1; a replicated plan runs 1F1B (synchronous) or
 PipeDream's asynchronous 1F1B, and only those are ranked for it.
+
+**Virtual stages** (:func:`rank_virtual`): the schedules that give each worker ``v`` stages — interleaved 1F1B,
+interleaved zero-bubble and looped BFS (stage ``s`` on worker ``s % W``), ZBV and DualPipeV (``v = 2``, in a V)
+— are planned on ``W * v`` straight stages split by PipeDream's dynamic program, simulated the same way, and
+their memory counted per worker, as its own actions hold it: the weights of all its stages plus, at its worst
+moment, the activations of every minibatch one of its stages has run forward and not yet finished backward.
+They rank beside the others but are never chosen: the runtime runs one stage per rank (``runnable=False``).
 """
 
 from __future__ import annotations
@@ -28,10 +35,14 @@ from profiler.profile import Profile
 
 from .plan import Plan, PlanError
 
-__all__ = ["Ranked", "rank_schedules", "choose", "format_ranking", "RUNNABLE", "DEFAULT_WEIGHT_FRACTION"]
+__all__ = ["Ranked", "rank_schedules", "rank_virtual", "choose", "format_ranking", "RUNNABLE", "VIRTUAL",
+           "DEFAULT_WEIGHT_FRACTION"]
 
 RUNNABLE = ("1f1b", "gpipe", "zb_h1", "pipedream")
 """The schedules the runtime runs one stage per rank: ``flush`` mode's three and the asynchronous modes'."""
+
+VIRTUAL = ("interleaved_1f1b", "interleaved_zero_bubble", "looped_bfs", "zbv", "dualpipev")
+"""The schedules of several stages per worker, ranked on paper only (see the module docstring)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +54,11 @@ class Ranked:
     bubble: float
     """Fraction of the ranks' time idle in a step (0 for the asynchronous steady state)."""
     memory_bytes: tuple[float, ...]
-    """Per stage: bytes one worker needs."""
+    """Per stage (per worker, for a schedule of virtual stages): bytes one worker needs."""
     fits: bool
+    runnable: bool = True
+    """Whether the runtime runs it (``False``: virtual stages, planned on paper)."""
+    stages_per_worker: int = 1
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -127,11 +141,74 @@ def rank_schedules(plan: Plan, profile: Profile, microbatches: int, *, weight_fr
     return sorted(out, key=lambda r: (not r.fits, r.time_per_minibatch_s))
 
 
+def rank_virtual(profile: Profile, workers: int, microbatches: int, bandwidth: float, *, stages_per_worker: int = 2,
+                 weight_fraction: float | None = None, memory_bytes: float | None = None,
+                 names: Sequence[str] | None = None) -> list[Ranked]:
+    """The schedules of ``stages_per_worker`` stages per worker for ``workers`` workers, planned and simulated
+    (see the module docstring), fastest first. ZBV and DualPipeV need 2 stages per worker and are left out
+    otherwise, DualPipeV also when ``microbatches`` is under its stage count; ``names`` picks among
+    :data:`VIRTUAL`. Raises :class:`PlanError` for bad settings or a model with too few cut points."""
+    from pipedream_ft.schedules import Costs, build, simulate
+
+    from .optimizer import partition
+
+    if workers < 1 or stages_per_worker < 1 or microbatches < 1:
+        raise PlanError(f"workers, stages_per_worker and microbatches must be >= 1, got {workers}, "
+                        f"{stages_per_worker}, {microbatches}")
+    if weight_fraction is not None and not 0.0 <= weight_fraction <= 1.0:
+        raise PlanError(f"weight_fraction must be in [0, 1], got {weight_fraction}")
+    chosen = tuple(names) if names is not None else VIRTUAL
+    unknown = [n for n in chosen if n not in VIRTUAL]
+    if unknown:
+        raise PlanError(f"unknown schedules of virtual stages {unknown}: expected some of {', '.join(VIRTUAL)}")
+    stages = workers * stages_per_worker
+    try:
+        plan = partition(profile, stages, bandwidth, straight=True)
+    except PlanError as exc:
+        raise PlanError(f"{workers} workers x {stages_per_worker} stages: {exc}") from None
+    sc = _stage_costs(plan, profile, weight_fraction)
+    costs = Costs(forward=sc.forward, input_backward=[max(0.0, x - w) for x, w in zip(sc.backward, sc.weight_backward)],
+                  weight_backward=sc.weight_backward)
+    out = []
+    for name in chosen:
+        if name in ("zbv", "dualpipev") and (stages_per_worker != 2 or (name == "dualpipev" and microbatches < stages)):
+            continue
+        built = build(name, workers, microbatches, stages_per_worker if name not in ("zbv", "dualpipev") else None)
+        timeline = simulate(built.schedule, costs, built.placement)
+        memory = _worker_memory(built.schedule, built.placement, sc.parameters, sc.activations)
+        out.append(Ranked(name, timeline.step_time / microbatches, timeline.bubble_fraction, memory,
+                          memory_bytes is None or max(memory) <= memory_bytes, runnable=False,
+                          stages_per_worker=stages_per_worker))
+    return sorted(out, key=lambda r: (not r.fits, r.time_per_minibatch_s))
+
+
+def _worker_memory(schedule: Any, placement: dict[int, int], parameters: list[float], activations: list[float]
+                   ) -> tuple[float, ...]:
+    """Per worker: the weights of its stages plus the most activation bytes its actions hold at once (an ``F``
+    takes its stage's, the ``B`` or ``W`` that finishes the minibatch there gives them back)."""
+    from pipedream_ft.schedules import Kind
+
+    out = []
+    for rank in sorted(schedule):
+        held = peak = 0.0
+        for a in schedule[rank]:
+            if a is None:
+                continue
+            if a.kind == Kind.F:
+                held += activations[a.stage]
+                peak = max(peak, held)
+            elif a.kind in (Kind.B, Kind.W):  # a split backward's I keeps them for its W
+                held -= activations[a.stage]
+        out.append(sum(parameters[s] for s, r in placement.items() if r == rank) + peak)
+    return tuple(out)
+
+
 def choose(ranking: Sequence[Ranked], *, synchronous: bool = True) -> Ranked:
     """The fastest schedule that fits; PlanError naming the least memory needed if none does. ``synchronous``:
     among the synchronous schedules only (``flush`` mode: minibatch SGD, whatever the schedule), leaving out
-    PipeDream's asynchronous 1F1B, which trains with stale weights and so learns otherwise."""
-    ranking = [r for r in ranking if not (synchronous and r.name == "pipedream")]
+    PipeDream's asynchronous 1F1B, which trains with stale weights and so learns otherwise. Schedules the runtime
+    does not run (virtual stages) are never chosen."""
+    ranking = [r for r in ranking if r.runnable and not (synchronous and r.name == "pipedream")]
     if not ranking:
         raise PlanError("no schedule to choose from")
     fitting = [r for r in ranking if r.fits]
@@ -147,7 +224,10 @@ def format_ranking(ranking: Sequence[Ranked], chosen: str | None = None) -> str:
     rows = [("schedule", "ms/minibatch", "bubble", "peak memory", "")]
     for r in ranking:
         mark = "chosen" if r.name == chosen else ("" if r.fits else "does not fit")
-        name = r.name + (" (async)" if r.name == "pipedream" else "")
+        if not r.runnable:
+            mark = "paper only: the runtime runs one stage per rank" + ("" if r.fits else "; does not fit")
+        name = r.name + (" (async)" if r.name == "pipedream" else "") + \
+            (f" ({r.stages_per_worker} stages/worker)" if r.stages_per_worker > 1 else "")
         rows.append((name, f"{r.time_per_minibatch_s * 1e3:.3f}", f"{r.bubble:.1%}",
                      f"{r.peak_memory_bytes:.4g}", mark))
     widths = [max(len(row[c]) for row in rows) for c in range(5)]

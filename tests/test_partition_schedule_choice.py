@@ -91,8 +91,9 @@ def test_the_command_line_records_the_choice_and_says_how_to_train_with_it(tmp_p
     assert main([str(prof), "-n", "4", "-b", "1e12", "--straight", "--schedule", "looped_bfs", "-o",
                  str(tmp_path / "x.json")]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert err == ["pipedream-partition: error: --schedule must be auto or one of 1f1b, gpipe, zb_h1, pipedream, "
-                   "got 'looped_bfs'"]
+    assert err == ["pipedream-partition: error: schedule 'looped_bfs' gives each worker several stages, which the "
+                   "runtime does not run (it runs 1f1b, gpipe, zb_h1, pipedream); --schedule auto --virtual-stages V "
+                   "ranks it on paper"]
     assert not (tmp_path / "x.json").exists()
 
 
@@ -121,3 +122,54 @@ def test_the_backward_split_is_the_profiles_where_measured_and_the_fraction_wher
                      "--microbatches", "8", "-o", str(tmp_path / "plan.json")]) == 0
         assert said in capsys.readouterr().out
         assert json.loads((tmp_path / "plan.json").read_text())["settings"]["schedule"]["weight_fraction"] == recorded
+
+
+def test_virtual_stages_are_planned_and_simulated_and_never_chosen():
+    """Interleaved 1F1B with v stages per worker: bubble (W - 1)(F + B) / v per step, the textbook's; each
+    worker holds the weights of its v stages and, at worst, the activations its own actions keep."""
+    from partitioner.schedule_choice import rank_virtual
+
+    profile = _profile(16)
+    W, v, m = 4, 2, 8
+    got = _by_name(rank_virtual(profile, W, m, 1e12, stages_per_worker=v))
+    assert set(got) == {"interleaved_1f1b", "interleaved_zero_bubble", "looped_bfs", "zbv", "dualpipev"}
+    F, B = 2.0, 4.0  # per worker-stage: 2 layers; a worker runs 4 layers of a minibatch: 12 ms
+    assert got["interleaved_1f1b"].time_per_minibatch_s == pytest.approx(
+        (m * v * (F + B) + (W - 1) * (F + B)) / m / 1e3)
+    plain = _by_name(rank_schedules(partition(profile, W, 1e12, straight=True), profile, m))
+    assert got["interleaved_1f1b"].time_per_minibatch_s < plain["1f1b"].time_per_minibatch_s
+    assert all(not r.runnable and r.stages_per_worker == v and len(r.memory_bytes) == W for r in got.values())
+    assert all(min(r.memory_bytes) >= 4 * P for r in got.values())  # the weights of both its stages
+    # looped BFS runs every forward of a stage before its backwards: worker 0 holds all m of stage 0 and stage 4
+    assert got["looped_bfs"].memory_bytes[0] == pytest.approx(4 * P + 2 * m * 2 * A)
+    ranking = rank_schedules(partition(profile, W, 1e12, straight=True), profile, m) + list(got.values())
+    assert choose(ranking).runnable
+    only_virtual = list(got.values())
+    with pytest.raises(PlanError, match="no schedule to choose from"):
+        choose(only_virtual)
+    three = _by_name(rank_virtual(profile, W, m, 1e12, stages_per_worker=3))
+    assert set(three) == {"interleaved_1f1b", "interleaved_zero_bubble", "looped_bfs"}  # the V ones need 2
+    assert "dualpipev" not in _by_name(rank_virtual(profile, W, 4, 1e12))  # fewer microbatches than stages
+    with pytest.raises(PlanError, match="unknown schedules of virtual stages \\['1f1b'\\]"):
+        rank_virtual(profile, W, m, 1e12, names=["1f1b"])
+    with pytest.raises(PlanError, match="4 workers x 8 stages"):
+        rank_virtual(_profile(8), W, m, 1e12, stages_per_worker=8)
+
+
+def test_the_command_line_ranks_virtual_stages_on_paper(tmp_path: Path, capsys):
+    prof = tmp_path / "p.json"
+    _profile(16).save(str(prof))
+    out = tmp_path / "plan.json"
+    assert main([str(prof), "--workers", "4", "--bandwidth", "1e12", "--straight", "--schedule", "auto",
+                 "--virtual-stages", "2", "--microbatches", "8", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "interleaved_1f1b (2 stages/worker)" in text and "paper only: the runtime runs one stage per rank" in text
+    record = json.loads(out.read_text())["settings"]["schedule"]
+    assert record["name"] == "zb_h1"
+    virtual = [r for r in record["ranking"] if not r["runnable"]]
+    assert {r["name"] for r in virtual} == {"interleaved_1f1b", "interleaved_zero_bubble", "looped_bfs", "zbv",
+                                            "dualpipev"}
+    assert all(r["stages_per_worker"] == 2 for r in virtual)
+    assert main([str(prof), "--workers", "4", "--bandwidth", "1e12", "--virtual-stages", "2", "-o",
+                 str(out)]) == 2
+    assert "--virtual-stages needs --schedule" in capsys.readouterr().err
