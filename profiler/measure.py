@@ -240,6 +240,7 @@ def _measure(call: _Call, base: dict[Any, Any], clock: _Clock, params: Sequence[
     forward: list[float] = []
     backward: list[float] = []
     split: list[tuple[float, float]] = []
+    mine: Sequence[nn.Parameter] | None = None  # the parameters this layer's backward reaches, once known
     for run in range(warmup + repeats):
         env = {k: _fresh(v) for k, v in base.items()}
         clock.start()
@@ -254,12 +255,14 @@ def _measure(call: _Call, base: dict[Any, Any], clock: _Clock, params: Sequence[
             torch.autograd.backward(outs, grad_tensors=grads)
             bwd = clock.stop()
         del env, out, leaves, outs
-        for p in params:
+        if mine is None:  # the first backward shows which parameters the layer uses: the others need no clearing
+            mine = [p for p in params if p.grad is not None]
+        for p in mine:
             p.grad = None
         if run >= warmup:
             forward.append(fwd)
             backward.append(bwd)
-            i_ms, w_ms = _split_backward(call, base, clock, params) if bwd > 0 else (0.0, 0.0)
+            i_ms, w_ms = _split_backward(call, base, clock, mine) if bwd > 0 else (0.0, 0.0)
             split.append((max(i_ms - overhead[1], 0.0), max(w_ms - overhead[1], 0.0)))
     inputs, weights = sum(i for i, _ in split), sum(w for _, w in split)
     share = weights / (inputs + weights) if inputs + weights > 0 else 0.0
