@@ -27,7 +27,8 @@ from .pipeline.compensation import Compensation
 from .pipeline.sources import Epochs
 from .policies import (AllOf, AnyOf, CheckpointPolicy, EveryNSteps, EveryTSeconds, Never, OverheadBudget,
                        PreemptionHandler, YoungDaly)
-from .trainer import PipelineConfig, PipelineTrainer, RankStats, TrainResult
+from .config import PipelineConfig, TrainResult
+from .trainer import PipelineTrainer, RankStats
 
 __all__ = [
     "AllOf",

@@ -29,7 +29,6 @@ import logging
 import sys
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -39,7 +38,8 @@ from partitioner.plan import Plan, PlanError
 from profiler.profile import Profile
 
 from .checkpoint import Storage
-from .env import DistEnv, read_env, setting
+from .config import PipelineConfig, TrainResult
+from .env import DistEnv, read_env
 from .errors import InvalidArgument, JobError, PipelineSetupError, mark_training, say
 from .ft import cuts
 from .ft.checkpointer import CheckpointConfig, Checkpointer, plan_hash
@@ -48,25 +48,24 @@ from .ft.recovery import Membership, store_connection
 from .ft.replan import RePlanPolicy, load_replanned
 from .ft.replan_control import Measure, RePlanControl
 from .ft.coordination import Coordinator
-from .ft.elastic import describe_plan, load_stored_profile, replan
+from .ft.elastic import describe_plan, load_stored_profile, replan_for_world
 from .ft.faults import FaultInjector
 from .ft.watchdog import Watchdog, WatchdogHook
 from .observe.hooks import MetricsHook, ProgressHook, TimelineHook
 from .observe.metrics import MetricsWriter, summary_table
 from .observe.timeline import TimelineRecorder
 from .pipeline.comm import Messenger, PeerTimeoutError
-from .pipeline.connection import Connection
+from .pipeline.connection import Connection, backend_and_device
 from .pipeline.data import CallableFeed, DataComponent, StreamFeed, target_links, training_feed
 from .pipeline.evaluate import EvalResult, MetricFn, evaluate
 from .pipeline.executor import DataFn, Executor, RankStats
 from .pipeline.export import pretrained_of, save_model, save_pretrained
 from .pipeline.group import CommGroup
 from .pipeline.hooks import HookList, Hooks
-from .pipeline.compensation import Compensation, check_compensation
 from .pipeline.modes import MODES, Mode, make_mode
-from .pipeline.precision import LossScale, LossScaler, autocast_context, check_autocast
+from .pipeline.precision import LossScale, LossScaler, autocast_context
 from .pipeline.record import TrainRecord
-from .pipeline.schedule import SYNCHRONOUS, Action
+from .pipeline.schedule import Action
 from .pipeline.scheduler import SchedulerFactory, attach_scheduler
 from .pipeline.stage import build_stage, executed_layers, model_layers
 from .pipeline.state import StageState
@@ -78,128 +77,6 @@ __all__ = ["MODES", "EvalResult", "LossScale", "PipelineConfig", "RankStats", "T
            "release_all"]
 
 log = logging.getLogger(__name__)
-
-
-def check_schedule(schedule: str, mode: str) -> None:
-    """Raise ValueError, naming what runs, unless ``mode`` runs ``schedule``."""
-    from .schedules import SCHEDULES
-
-    if schedule == "pipedream":
-        raise ValueError("schedule 'pipedream' is the asynchronous modes' (mode 'stash' or 'vertical'); mode "
-                         f"'flush' runs {', '.join(SYNCHRONOUS)}")
-    if schedule not in SYNCHRONOUS:
-        why = ("runs several stages per rank, which the runtime does not run yet (`python -m pipedream_ft.schedules "
-               f"{schedule}` simulates it)") if schedule in SCHEDULES else "is unknown"
-        raise ValueError(f"schedule {schedule!r} {why}; mode 'flush' runs {', '.join(SYNCHRONOUS)}")
-    if schedule != "1f1b" and mode != "flush":
-        raise ValueError(f"schedule {schedule!r} is a synchronous schedule (mode 'flush'); mode {mode!r} runs "
-                         "PipeDream's asynchronous 1F1B")
-
-
-@dataclass(kw_only=True, slots=True)
-class PipelineConfig:
-    """How the pipeline trains."""
-
-    mode: str = "stash"
-    """``"stash"`` (asynchronous 1F1B with weight stashing), ``"vertical"`` (plus vertical sync), ``"flush"`` or
-    ``"2bw"`` (PipeDream-2BW, see :mod:`pipedream_ft.pipeline.modes`)."""
-    flush_every: int = 4
-    """Minibatches per optimizer step in ``"flush"`` mode."""
-    schedule: str = "1f1b"
-    """The ``"flush"`` mode's schedule inside a window: ``"1f1b"``, ``"gpipe"`` or ``"zb_h1"`` (zero bubble:
-    the backward split in two, see :mod:`pipedream_ft.pipeline.splitbackward`); all give minibatch SGD. The
-    asynchronous modes run PipeDream's 1F1B."""
-    update_every: int | None = None
-    """Minibatches per optimizer step in ``"2bw"`` mode (default: the number of stages)."""
-    compensation: Compensation | None = None
-    """Delay compensation in the asynchronous modes (see :mod:`pipedream_ft.pipeline.compensation`)."""
-    timeout_s: float = 45.0
-    """Longest wait for a peer (a transfer, an all-reduce) before the rank fails naming it."""
-    watchdog_s: float | None = 60.0
-    """Fail the rank if it makes no progress at all for this long (``None``: no watchdog)."""
-    health_file: str | None = field(default_factory=lambda: setting("PIPEDREAM_FT_HEALTH_FILE"))
-    """Refreshed while the rank makes progress (for liveness probes); default ``$PIPEDREAM_FT_HEALTH_FILE``."""
-    trace_dir: str | None = field(default_factory=lambda: setting("PIPEDREAM_FT_TRACE_DIR"))
-    """Write this rank's timeline (Chrome/Perfetto trace) here; default ``$PIPEDREAM_FT_TRACE_DIR``."""
-    metrics_dir: str | None = field(default_factory=lambda: setting("PIPEDREAM_FT_METRICS_DIR"))
-    """Write this rank's metrics (JSON lines, one per update) here; default ``$PIPEDREAM_FT_METRICS_DIR``."""
-    progress: bool = True
-    """A progress bar on rank 0 (only when stderr is a terminal)."""
-    summary: bool = True
-    """Print a per-rank summary table on rank 0 at the end of :meth:`PipelineTrainer.train`."""
-    seed: int = 0
-    """Seeds each forward's RNG from (seed, stage, minibatch), so dropout is reproducible across restarts."""
-    check_model_hash: bool = True
-    """Refuse a plan whose profile hash differs from the model's structure."""
-    backend: str | None = None
-    """``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available."""
-    replan: RePlanPolicy | None = None
-    """Re-plan from the costs measured while training (see :mod:`pipedream_ft.ft.replan`); ``None``: never."""
-    recovery_timeout_s: float = 120.0
-    """In-place recovery: the longest the ranks wait for the group to form again before giving up (then the
-    processes stop and torchrun restarts them all)."""
-    hang_s: float = 0.8
-    """In-place recovery: a peer whose heartbeat (every 0.1 s, from a thread) has not changed for this long is
-    taken as hung and replaced, whatever ``timeout_s`` is. Raise it for code that holds the GIL longer."""
-    clip_grad_norm: float | None = None
-    """Clip gradients to this 2-norm: per stage in the asynchronous modes, by the whole model's norm in
-    ``"flush"`` mode (see :mod:`pipedream_ft.pipeline.stepper`)."""
-    autocast_dtype: torch.dtype | None = None
-    """Run forwards under ``torch.autocast`` with this dtype: ``torch.bfloat16``, or ``torch.float16`` in
-    ``"flush"`` mode only, with loss scaling (see :mod:`pipedream_ft.pipeline.precision`)."""
-    loss_scale: LossScale = field(default_factory=LossScale)
-    """How the float16 loss scale starts and moves."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.flush_every < 1:
-            raise ValueError(f"flush_every must be >= 1, got {self.flush_every}")
-        check_schedule(self.schedule, self.mode)
-        if self.update_every is not None and self.update_every < 1:
-            raise ValueError(f"update_every must be >= 1, got {self.update_every}")
-        check_compensation(self.compensation, self.mode)
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if not self.hang_s > 0.2:
-            raise ValueError(f"hang_s must exceed two heartbeat intervals (0.2 s), got {self.hang_s}")
-        if self.backend not in (None, "gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {self.backend!r}")
-        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-            raise ValueError(f"clip_grad_norm must be > 0, got {self.clip_grad_norm}")
-        check_autocast(self.autocast_dtype, self.mode)
-
-
-@dataclass(slots=True)
-class TrainResult:
-    """What :meth:`PipelineTrainer.train` returns on every rank."""
-
-    losses: list[float]
-    """Loss of each minibatch of the call, ``start`` onwards, in minibatch order: the whole history on every rank,
-    also after a recovery that replaced processes (a replacement restores the losses before its cut with its
-    checkpoint part, see :mod:`pipedream_ft.pipeline.record`)."""
-    start: int
-    """First minibatch number of this call (for a process that continues a call from a restored cut, the call's
-    start, not the cut)."""
-    seconds: float
-    """Seconds this process spent in the call."""
-    stats: RankStats = field(default_factory=RankStats)
-    trained: int = 0
-    """Minibatches this process took the call forward in ``seconds`` (from where it began, which is the restored
-    cut for a replacement): the numerator of a throughput."""
-
-
-def _backend_and_device(env: DistEnv, backend: str | None) -> tuple[str, torch.device]:
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise PipelineSetupError("backend 'nccl' needs CUDA, but torch.cuda.is_available() is False")
-        if env.local_rank >= torch.cuda.device_count():
-            raise PipelineSetupError(f"LOCAL_RANK {env.local_rank} has no GPU ({torch.cuda.device_count()} visible)")
-        torch.cuda.set_device(env.local_rank)
-        return backend, torch.device("cuda", env.local_rank)
-    return backend, torch.device("cpu")
 
 
 class PipelineTrainer:
@@ -236,7 +113,7 @@ class PipelineTrainer:
         """Wall-clock times of this process's milestones: start, joined (its process groups built), restored,
         first_update; for a replacement process also joining and formed (in-place recovery)."""
         self.env = env = env or read_env()
-        self.backend, self.device = _backend_and_device(env, config.backend)
+        self.backend, self.device = backend_and_device(env.local_rank, config.backend)
         if not isinstance(model, nn.Module):
             model = model()
         if tied_parameters:
@@ -255,7 +132,9 @@ class PipelineTrainer:
         self.original_plan = plan
         self.mode: Mode = make_mode(config.mode, config.flush_every, config.update_every, config.schedule)
         if plan.world_size != env.world_size and len(ml.names) == plan.num_layers:
-            plan = self._replan(plan, checkpoint)
+            plan = replan_for_world(plan, self.profile, env.world_size, rank=env.rank,
+                                    storage=Storage(checkpoint.url, checkpoint.storage_options)
+                                    if checkpoint is not None and checkpoint.url is not None else None)
         elif checkpoint is not None and checkpoint.url is not None:
             replanned = load_replanned(Storage(checkpoint.url, checkpoint.storage_options), plan,
                                        lambda p: plan_hash(p, self.mode))
@@ -346,24 +225,6 @@ class PipelineTrainer:
         _OPEN.add(self)
 
     # -- set-up ---------------------------------------------------------------------------------------------
-
-    def _replan(self, plan: Plan, checkpoint: CheckpointConfig | None) -> Plan:
-        """The world size is not the plan's: plan again for it (see :mod:`pipedream_ft.ft.elastic`)."""
-        profile = self.profile
-        if profile is None:
-            if checkpoint is None:
-                raise PlanError(f"plan needs {plan.world_size} workers, but the world size is {self.env.world_size} "
-                                "(pass profile= to re-plan for the new size)")
-            profile = load_stored_profile(Storage(checkpoint.url, checkpoint.storage_options))
-            if profile.structure_hash() != plan.profile_hash:
-                raise PipelineSetupError("the profile stored with the checkpoints is not this plan's model")
-        new = replan(profile, self.env.world_size, plan.settings)
-        if self.env.rank == 0:
-            msg = (f"world size {self.env.world_size} differs from the plan's {plan.world_size}: re-planned from "
-                   f"{describe_plan(plan)} to {describe_plan(new)}")
-            log.warning(msg)
-            say(f"pipedream-ft: {msg}", sys.stdout)
-        return new
 
     def _start(self) -> int | None:
         """Join the group and restore what there is to restore; returns the position resumed from (or None).

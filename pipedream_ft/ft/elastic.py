@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from typing import Any, Sequence
 
 from partitioner.plan import Plan, PlanError
 from profiler.profile import Profile, ProfileError
 
 from ..checkpoint import CheckpointError, Storage
-from ..errors import PipelineSetupError
+from ..errors import PipelineSetupError, say
 
-__all__ = ["PROFILE_FILE", "replan", "store_profile", "load_stored_profile", "describe_plan"]
+__all__ = ["PROFILE_FILE", "replan", "replan_for_world", "store_profile", "load_stored_profile", "describe_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,27 @@ def replan(profile: Profile, world_size: int, settings: dict[str, Any]) -> Plan:
             bandwidth = machine.bandwidth
     return partition(profile, workers, bandwidth, straight=bool(settings.get("straight", False)),
                      memory_bytes=float(memory) if memory is not None else None, machine=machine)
+
+
+def replan_for_world(plan: Plan, profile: Profile | None, world_size: int, *, rank: int,
+                     storage: Storage | None) -> Plan:
+    """``plan`` was made for another world size: plan again for ``world_size`` from ``profile``, or from the
+    profile stored beside the checkpoints in ``storage``; rank 0 says what changed. Raises :class:`PlanError`
+    with neither, :class:`PipelineSetupError` if the stored profile is another model's."""
+    if profile is None:
+        if storage is None:
+            raise PlanError(f"plan needs {plan.world_size} workers, but the world size is {world_size} "
+                            "(pass profile= to re-plan for the new size)")
+        profile = load_stored_profile(storage)
+        if profile.structure_hash() != plan.profile_hash:
+            raise PipelineSetupError("the profile stored with the checkpoints is not this plan's model")
+    new = replan(profile, world_size, plan.settings)
+    if rank == 0:
+        msg = (f"world size {world_size} differs from the plan's {plan.world_size}: re-planned from "
+               f"{describe_plan(plan)} to {describe_plan(new)}")
+        log.warning(msg)
+        say(f"pipedream-ft: {msg}", sys.stdout)
+    return new
 
 
 def store_profile(storage: Storage, profile: Profile) -> None:

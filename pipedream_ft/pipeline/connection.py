@@ -20,10 +20,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..errors import PipelineSetupError
 from .comm import Messenger
 from .group import CommGroup
 
-__all__ = ["Connection", "NotConnectedError"]
+__all__ = ["Connection", "NotConnectedError", "backend_and_device"]
 
 
 class NotConnectedError(RuntimeError):
@@ -106,3 +107,18 @@ class Connection:
     def _why(self) -> str:
         state = "not configured yet" if self.epochs == 0 else f"released after epoch {self.epochs}"
         return f"rank {self.rank} has no process group: its connection is {state}"
+
+
+def backend_and_device(local_rank: int, backend: str | None) -> tuple[str, torch.device]:
+    """The backend (``backend``, or NCCL when CUDA is available, else gloo) and this rank's device (under NCCL
+    the GPU ``local_rank``, made current). Raises :class:`PipelineSetupError` naming what is missing."""
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise PipelineSetupError("backend 'nccl' needs CUDA, but torch.cuda.is_available() is False")
+        if local_rank >= torch.cuda.device_count():
+            raise PipelineSetupError(f"LOCAL_RANK {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
+        torch.cuda.set_device(local_rank)
+        return backend, torch.device("cuda", local_rank)
+    return backend, torch.device("cpu")
