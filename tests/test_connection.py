@@ -72,3 +72,19 @@ def test_bad_arguments_are_refused() -> None:
         Connection(rank=0, world_size=1, backend="mpi", device=torch.device("cpu"), timeout_s=1)
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 3"):
         Connection(rank=3, world_size=2, backend="gloo", device=torch.device("cpu"), timeout_s=1)
+
+
+def test_the_backend_defaults_to_nccl_with_cuda_and_names_what_is_missing() -> None:
+    from pipedream_ft.errors import PipelineSetupError
+    from pipedream_ft.pipeline.connection import backend_and_device
+
+    if not torch.cuda.is_available():
+        assert backend_and_device(0, None) == ("gloo", torch.device("cpu"))
+        with pytest.raises(PipelineSetupError, match="backend 'nccl' needs CUDA, but torch.cuda.is_available\\(\\) is False"):
+            backend_and_device(0, "nccl")
+    else:
+        assert backend_and_device(0, None) == ("nccl", torch.device("cuda", 0))
+        count = torch.cuda.device_count()
+        with pytest.raises(PipelineSetupError, match=f"LOCAL_RANK {count} has no GPU \\({count} visible\\)"):
+            backend_and_device(count, "nccl")
+    assert backend_and_device(0, "gloo") == ("gloo", torch.device("cpu"))
