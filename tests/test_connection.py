@@ -80,7 +80,8 @@ def test_the_backend_defaults_to_nccl_with_cuda_and_names_what_is_missing() -> N
 
     if not torch.cuda.is_available():
         assert backend_and_device(0, None) == ("gloo", torch.device("cpu"))
-        with pytest.raises(PipelineSetupError, match="backend 'nccl' needs CUDA, but torch.cuda.is_available\\(\\) is False"):
+        with pytest.raises(PipelineSetupError,
+                           match="backend 'nccl' needs CUDA, but torch.cuda.is_available\\(\\) is False"):
             backend_and_device(0, "nccl")
     else:
         assert backend_and_device(0, None) == ("nccl", torch.device("cuda", 0))
