@@ -5,7 +5,8 @@ paper (:func:`pipedream_ft.schedules.simulate`) with each stage's costs summed f
 the forward times, and the backward times split into ``I`` (input gradient) and ``W`` (weight gradient) as the
 profiler measured them (``weight_backward_ms``). A layer without that measurement (a profile from before it, or
 imported from PipeDream's ``graph.txt``) is split by ``weight_fraction`` (a matrix product's two gradients cost
-about the same, hence 0.5); a ``weight_fraction`` given explicitly splits every layer. The predicted time per minibatch is the simulated step divided by ``m``; PipeDream's asynchronous
+about the same, hence 0.5); a ``weight_fraction`` given explicitly splits every layer. The predicted time per
+minibatch is the simulated step divided by ``m``; PipeDream's asynchronous
 1F1B (modes ``stash``/``vertical``, which never flush) is its steady state, the slowest stage's ``F + B``.
 
 **Memory per worker** is counted as each schedule really holds it: the weights (``P``) plus the activations of
