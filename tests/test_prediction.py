@@ -1,8 +1,9 @@
 """Predictions that hold, checked by measurement on the sleep model (ratios, not timing thresholds).
 
-Two straight 4-stage sleep pipelines, 2/4 ms and 6/12 ms per layer, run on 4 gloo ranks; the plans'
-predicted times per minibatch must rank them as measured, and their ratio must match the measured ratio
-within generous bounds (a loaded machine slows both runs alike). The contention bound is checked on its own.
+Two straight 4-stage sleep pipelines, 10/20 ms and 30/60 ms per layer, run on 4 gloo ranks; the plans'
+predicted times per minibatch must rank them as measured, and how far apart the plans predict them must match
+how far apart they run, within generous bounds (a loaded machine adds to both runs alike). The contention bound
+is checked on its own.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _sleep_profile(fwd: float, bwd: float) -> Profile:
     return Profile(layers, prof.edges, {"cpu_fraction": 0.0}, prof.tied, prof.inputs)
 
 
-def test_sleep_predictions_rank_and_ratio_hold():
+def test_sleep_predictions_rank_and_their_gap_holds():
     from bench_prediction import CASES, run_plan
 
     # sleeps long against the runtime's own per-minibatch work, which a loaded machine stretches
@@ -46,8 +47,12 @@ def test_sleep_predictions_rank_and_ratio_hold():
              dataclasses.replace(CASES["sleep-2/4"], name="sleep-30/60", minibatches=24)]
     measured = [run_plan(c, p)["steady_s"] for c, p in zip(cases, plans)]
     assert measured[1] > measured[0]
-    ratio_pred, ratio_meas = predicted[1] / predicted[0], measured[1] / measured[0]
-    assert 0.75 * ratio_pred <= ratio_meas <= 1.25 * ratio_pred, (predicted, measured)
+    # what the plans predict apart (the stages' compute) is what the runs take apart; a loaded machine stretches
+    # the runtime's own cost per minibatch (MACHINE's 0.6 ms, measured idle) by the same in both runs, which a
+    # ratio of the two would count against the prediction (a CI run under load measured 47 and 105 ms for 31 and
+    # 91 predicted: 58 ms apart for 60)
+    gap_pred, gap_meas = predicted[1] - predicted[0], measured[1] - measured[0]
+    assert 0.75 * gap_pred <= gap_meas <= 1.25 * gap_pred, (predicted, measured)
 
 
 def test_contention_bound_enters_the_prediction():
