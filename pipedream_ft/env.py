@@ -6,7 +6,8 @@ elastic agent, ``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_RUN_ID`` and ``TOR
 A supervisor (:func:`pipedream_ft.launch`) hands the process it starts its own :class:`DistEnv`
 (:func:`hand_over`: recovery mode, incarnation, the round it joins, the supervisor's id), which :func:`read_env`
 returns there; nothing is written to ``os.environ``. The user may set ``PIPEDREAM_FT_RECOVERY`` (the recovery
-mode :func:`pipedream_ft.launch` picks, :func:`requested_recovery`) and ``PIPEDREAM_FT_LOG_DIR`` (where a crashed process's traceback goes, see :mod:`pipedream_ft.crashlog`).
+mode :func:`pipedream_ft.launch` picks, :func:`requested_recovery`) and ``PIPEDREAM_FT_LOG_DIR`` (where a crashed
+process's traceback goes, see :mod:`pipedream_ft.crashlog`).
 Every field can be overridden by keyword, so tests and notebooks need no environment at all.
 
 The user's other settings are read through :func:`setting`, by name from :data:`SETTINGS` (the defaults of

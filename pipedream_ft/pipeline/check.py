@@ -68,8 +68,8 @@ def check_plan(model: nn.Module, plan: Plan, inputs: Sequence[Any], *, atol: flo
         received = [_detach(t) for t in tensors]
         values = structure.join(received)
     got_leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if len(got_leaves) != len(want_leaves) or any(
-            g.shape != w.shape or not torch.allclose(g, w, rtol=rtol, atol=atol) for g, w in zip(got_leaves, want_leaves)):
+    if len(got_leaves) != len(want_leaves) or any(g.shape != w.shape or not torch.allclose(g, w, rtol=rtol, atol=atol)
+                                                  for g, w in zip(got_leaves, want_leaves)):
         raise PipelineSetupError("the plan's stages, run in turn, do not compute the model's output")
     # backward, stage by stage, the way the runtime does it: each stage differentiates its outputs with the
     # gradients the next stage computed for what it received

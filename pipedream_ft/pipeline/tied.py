@@ -240,7 +240,8 @@ class TiedParameters:
         if key not in g.recvs:
             buf = torch.empty_like(g.param)
             peer = g.partners[stage]
-            g.recvs[key] = (self.connection.messenger.recv_tensor(peer, round_, self._slots[(g.index, stage)], buf, "tied"), buf)
+            messenger = self.connection.messenger
+            g.recvs[key] = (messenger.recv_tensor(peer, round_, self._slots[(g.index, stage)], buf, "tied"), buf)
 
     def _apply_until(self, g: _Group, updates: int) -> None:
         while g.applied < updates:
@@ -253,7 +254,8 @@ class TiedParameters:
                 if stage not in grads:
                     self._post(g, k, stage)
                     work, buf = g.recvs.pop((k, stage))
-                    self.connection.messenger.wait(work, f"tied gradient of {g.spec.name}, update {k}, from rank {peer}")
+                    self.connection.messenger.wait(work,
+                                                   f"tied gradient of {g.spec.name}, update {k}, from rank {peer}")
                     grads[stage] = buf
                 else:
                     g.recvs.pop((k, stage), None)
