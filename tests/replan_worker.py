@@ -1,7 +1,7 @@
-"""A torchrun script for the re-planning test: a sleep model whose profile gets one layer 10x too cheap.
+"""A torchrun script for the re-planning test: a sleep model whose profile gets its last four layers 3x too cheap.
 
-Trains ``--total`` minibatches of an 8-layer sleep model (layer 7 much slower than the others) on 2 ranks with
-the plan made from the wrong profile, re-planning from measured costs (``RePlanPolicy``), checkpointing to
+Trains ``--total`` minibatches of an 8-layer sleep model (layers 4-7 three times slower than layers 0-3) on 2 ranks
+with the plan made from the wrong profile, re-planning from measured costs (``RePlanPolicy``), checkpointing to
 ``--ckpt``. Rank 1 (the last stage of any plan here) writes, per process, the time each minibatch's loss was
 computed and the plan it ran, to ``--out``-<pid>.json.
 """
@@ -25,8 +25,10 @@ import pipedream_ft  # noqa: E402
 from pipedream_ft import CheckpointConfig, EveryNSteps, PipelineConfig, PipelineTrainer, RePlanPolicy  # noqa: E402
 from sleep_model import SleepLayer  # noqa: E402
 
-TRUE_MS = [(4, 8)] * 7 + [(30, 60)]
+TRUE_MS = [(4, 8)] * 4 + [(12, 24)] * 4
 """(forward, backward) milliseconds of each layer."""
+WRONG_BY = 3.0
+"""How much too cheap the profile makes layers 4-7."""
 
 
 def model() -> nn.Sequential:
@@ -35,7 +37,7 @@ def model() -> nn.Sequential:
 
 
 def misprofile() -> "pipedream_ft.Profile":
-    """The model's profile with layer 7 ten times too cheap."""
+    """The model's profile with layers 4-7 :data:`WRONG_BY` times too cheap."""
     from dataclasses import replace
 
     from profiler.layers import structure_profile
@@ -43,7 +45,8 @@ def misprofile() -> "pipedream_ft.Profile":
     prof = structure_profile(model())
     layers = [replace(l, forward_ms=float(f), backward_ms=float(b), activation_bytes=2048.0)
               for l, (f, b) in zip(prof.layers, TRUE_MS)]
-    layers[7] = replace(layers[7], forward_ms=layers[7].forward_ms / 10, backward_ms=layers[7].backward_ms / 10)
+    layers[4:] = [replace(l, forward_ms=l.forward_ms / WRONG_BY, backward_ms=l.backward_ms / WRONG_BY)
+                  for l in layers[4:]]
     from profiler.profile import Profile
 
     return Profile(tuple(layers), prof.edges, dict(prof.meta))

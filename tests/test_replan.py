@@ -92,7 +92,8 @@ def test_the_running_job_moves_to_the_better_plan_and_gets_faster(tmp_path):
         tail = stamps[len(stamps) // 3:]
         return (tail[-1] - tail[0]) / (len(tail) - 1)
 
-    # The wrong plan's slow stage takes 126 ms per minibatch. Measuring only per stage, the re-plan scales all of
-    # that stage's layers alike, so its first new plan ([0-4], [5-7]) takes 114 ms (0.90x, predicted >= 10 %
-    # faster); allow for timing noise on a loaded machine, but require a clear gain.
-    assert per_minibatch(runs[-1]["stamps"]) < 0.95 * per_minibatch(runs[0]["stamps"]), runs
+    # The profile makes every layer 12 ms, so the first plan is [0-3], [4-7]: 48 and 144 ms per minibatch. Stage 1's
+    # layers are alike, so scaling them by its measured time gets them right, and the new plan ([0-4], [5-7]) takes
+    # 108 ms (0.75x). Timing noise on a loaded machine is a few per cent: require a clear gain.
+    first, last = per_minibatch(runs[0]["stamps"]), per_minibatch(runs[-1]["stamps"])
+    assert last < 0.85 * first, ([r["stages"] for r in runs], first, last)
