@@ -407,6 +407,10 @@ class PipelineTrainer:
         a peer's failure does not end the call: the ranks fall back to the newest cut they can all restore and
         go on (see :mod:`pipedream_ft.ft.recovery`).
         """
+        return self._train(data, steps, finish=False)
+
+    def _train(self, data: DataFn | Any, steps: int, *, finish: bool) -> TrainResult:
+        """:meth:`train`; with ``finish``, also wait for the pending checkpoints to commit (see :meth:`fit`)."""
         window = self.mode.window(self.topo)
         if steps < 0 or steps % window:
             raise InvalidArgument(f"steps must be a non-negative multiple of {window} for this plan and mode, "
@@ -426,15 +430,18 @@ class PipelineTrainer:
                 failure = self._run(data, stop)
                 if failure is None:
                     failure, losses = self._gather_losses()
-                    if failure is None:
-                        break
+                    trained = time.perf_counter()  # the result's time: training, not the checkpoints' commit
+                if failure is None and finish:
+                    failure = self._finish_checkpoints(stop)
+                if failure is None:
+                    break
                 self._recover(failure)
         finally:
             self.record.end()
             self.hooks.on_train_end(start, stop)
         self.state.position = stop
         self.progress.report(stop, force=True)
-        seconds = time.perf_counter() - t0
+        seconds = trained - t0
         result = TrainResult(losses, start, seconds, ex.stats, trained=stop - began)
         if self.config.summary:
             self._print_summary(seconds)
@@ -513,6 +520,18 @@ class PipelineTrainer:
         except PeerTimeoutError as exc:
             return self._peer_failure(exc), []
 
+    def _finish_checkpoints(self, position: int) -> str | None:
+        """Wait for the pending checkpoints to commit (see :meth:`Checkpointer.finish`); ``None`` when done, or
+        — with in-place recovery — why the group failed meanwhile: the end of a ``fit`` is recoverable too, so a
+        peer that dies while writing its part of the last checkpoint is replaced and the part written again."""
+        assert self.ckpt is not None
+        self.faults.at_finishing(self.env.world_size)
+        try:
+            self.ckpt.finish(position, failed=self.inplace.peer_failed if self.inplace is not None else None)
+            return None
+        except PeerTimeoutError as exc:
+            return self._peer_failure(exc)
+
     def _print_summary(self, seconds: float) -> None:
         """Gather every rank's statistics and print a table on rank 0. A collective."""
         mine = {"rank": self.env.rank, "stage": self.topo.stage, "seconds": seconds, **self.executor.stats.as_dict()}
@@ -523,11 +542,9 @@ class PipelineTrainer:
     def fit(self, data: DataFn | Any, total: int) -> TrainResult:
         """Train until ``total`` minibatches are done in all, continuing from a resumed checkpoint's position;
         then wait for pending checkpoints to commit. A collective."""
-        result = self.train(data, max(0, total - self.position))
-        if self.ckpt is not None:
-            self.ckpt.finish(self.position)
-            if self.env.local_rank == 0:  # everybody on this node is done with the memory tier
-                self.ckpt.discard_memory()
+        result = self._train(data, max(0, total - self.position), finish=self.ckpt is not None)
+        if self.ckpt is not None and self.env.local_rank == 0:  # everybody on this node is done with the memory tier
+            self.ckpt.discard_memory()
         return result
 
     # -- results --------------------------------------------------------------------------------------------

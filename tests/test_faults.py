@@ -120,3 +120,30 @@ def test_a_tagged_fault_whose_partner_never_comes_says_so(store, monkeypatch):
     spec = parse_faults("exception@rank=1,step=21,together=a;kill@rank=3,step=21,together=a")
     with pytest.raises(InjectedFault, match="1 of the 2 faults tagged together=a were reached"):
         FaultInjector(spec, rank=1, attempt=0, connect=store).at_forward(21)
+
+
+def test_a_finishing_fault_fires_once_every_rank_is_finishing(store, monkeypatch):
+    killed: list[int] = []
+    monkeypatch.setattr(faults_mod.os, "kill", lambda pid, sig: killed.append(sig))
+    spec = parse_faults("finishing@rank=1,step=0")
+    ranks = [FaultInjector(spec, rank=r, attempt=0, connect=store) for r in range(3)]
+    waiting = threading.Thread(target=ranks[1].at_finishing, args=(3,))
+    waiting.start()
+    ranks[0].at_finishing(3)  # a rank without the fault checks in and goes on
+    waiting.join(0.5)
+    assert waiting.is_alive() and killed == []  # rank 1 waits for rank 2
+    ranks[2].at_finishing(3)
+    waiting.join(10)
+    assert not waiting.is_alive() and killed == [faults_mod.signal.SIGKILL]
+    ranks[1].set_attempt(1)  # a later attempt: nothing armed, nobody waits
+    ranks[1].at_finishing(3)
+    assert len(killed) == 1
+
+
+def test_a_finishing_fault_needs_the_store_and_names_the_ranks_missing(store, monkeypatch):
+    spec = parse_faults("finishing@rank=1,step=0")
+    with pytest.raises(ValueError, match="finishing fault needs the job's store"):
+        FaultInjector(spec, rank=0, attempt=0)
+    monkeypatch.setattr(faults_mod, "TOGETHER_WAIT_S", 0.3)
+    with pytest.raises(InjectedFault, match="1 of the 4 ranks began finishing"):
+        FaultInjector(spec, rank=1, attempt=0, connect=store).at_finishing(4)

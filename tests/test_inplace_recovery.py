@@ -121,9 +121,13 @@ CASES = {
     # they recover like ranks still training (they were failing and being replaced themselves)
     "a failure while the others gather the losses": ("drained@rank=1,step=0", TOTAL, 1, "injecting fault drained"),
     # its part of the last durable checkpoint never lands: the replacement writes it from the restored cut, or the
-    # commit (and the run) would fail
+    # commit (and the run) would fail; the others may still be gathering the losses or already finishing
     "a crash while writing the last checkpoint": (f"ckpt_crash@rank=1,step={TOTAL}", TOTAL, 1,
                                                   "injecting fault ckpt_crash"),
+    # every rank has gathered the losses and waits for the last checkpoint to commit, when one dies: no collective
+    # fails, yet the others recover at once rather than wait out the commit timeout (and be replaced themselves)
+    "a failure while the others finish the last checkpoint": ("finishing@rank=1,step=0", TOTAL, 1,
+                                                              f"checkpoint {TOTAL} was being finished; recovering"),
 }
 
 

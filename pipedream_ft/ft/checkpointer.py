@@ -56,6 +56,7 @@ from ..checkpoint.snapshot import immutable
 from ..checkpoint.tiers import TierWriter
 from ..errors import EXIT_PREEMPTED, JobError, PipelineError, PipelineSetupError, say
 from .cuts import CUT, DURABLE, REPLAN, STOP
+from .ending import Ending, keys_set
 from ..pipeline.connection import Connection
 from ..pipeline.group import CommGroup
 from ..pipeline.hooks import Hooks
@@ -657,7 +658,7 @@ class Checkpointer:
             out["since_commit_s"] = time.time() - (base or self._started)
         return out
 
-    def finish(self, position: int) -> None:
+    def finish(self, position: int, failed: Callable[[], bool] | None = None) -> None:
         """Wait for pending saves, and leave together: rank 0 may still be writing the last commit record
         (slow storage, retries), and the collective that follows must not time out waiting for it. The other
         ranks wait on the store, whose timeout is the commit timeout, not the process group's.
@@ -665,11 +666,18 @@ class Checkpointer:
         Each rank first finishes its own part of the last durable cut and tells rank 0 (through the store)
         whether storage took it; rank 0 commits it, or gives it up at once when a part is known never to come
         (storage refused it), and says which. If the last durable cut is not committed, :attr:`unfinished`
-        holds the line every rank then raises at :meth:`close` (after the caller saved its results)."""
-        self.flush_memory(self.config.commit_timeout_s)
+        holds the line every rank then raises at :meth:`close` (after the caller saved its results).
+
+        With in-place recovery ``failed()`` says whether a peer failed since this rank's epoch formed: a failure
+        before rank 0 finished raises :class:`GroupError` on every rank, to recover from like one while training
+        (see :mod:`pipedream_ft.ft.ending`)."""
+        ending = Ending(position, failed, lambda proposal: self.coordinator.settle_end(position, proposal))
+        timeout = self.config.commit_timeout_s
+        if self.memory is not None:
+            ending.wait(self.memory.flush, timeout)
         if self.writer is not None:
-            self._finish_durable(position)
-        self.coordinator.leave_together(position, self.config.commit_timeout_s + 30)
+            self._finish_durable(position, ending)
+        self.coordinator.leave_together(position, ending, timeout + 30)
         if self.writer is not None:
             store = self._finish_store()
             if store is not None and self.topo.rank != 0:
@@ -687,35 +695,33 @@ class Checkpointer:
             return ""
         return str(last[-1].error)
 
-    def _finish_durable(self, position: int) -> None:
+    def _finish_durable(self, position: int, ending: Ending) -> None:
         assert self.writer is not None
         writer, timeout = self.writer, self.config.commit_timeout_s
         store = self._finish_store()
         if self.topo.rank != 0:
-            writer.flush(timeout=timeout)
+            ending.wait(writer.flush, timeout)
             if store is not None:
                 store.set(_KEY_FINISH_PART.format(position=position, rank=self.topo.rank), self._last_error())
             return
-        if not writer.flush(timeout=min(2.0, timeout)):  # the usual case: the last commit follows at once
+        if not ending.wait(writer.flush, min(2.0, timeout)):  # the usual case: the last commit follows at once
             msg = (f"waiting up to {timeout:.0f}s for checkpoint {self.last_saved} to commit (every rank's part "
                    "durable, then the commit record)")
             log.info(msg)
             say(f"pipedream-ft: {msg}", sys.stdout)
-        writer.flush_parts(timeout)
+        ending.wait(writer.flush_parts, timeout)
         problems = []
         if store is not None:
-            from datetime import timedelta
-
-            keys = [_KEY_FINISH_PART.format(position=position, rank=r) for r in range(1, self.topo.world_size)]
-            try:
-                store.wait(keys, timedelta(seconds=timeout + 30))
-                problems = [f"rank {r}: {v}" for r, v in
-                            zip(range(1, self.topo.world_size), (store.get(k).decode() for k in keys)) if v]
-            except Exception as exc:
-                problems = [f"not every rank reported its part ({exc})"]
+            ranks = range(1, self.topo.world_size)
+            keys = [_KEY_FINISH_PART.format(position=position, rank=r) for r in ranks]
+            if ending.wait(keys_set(store, keys), timeout + 30):
+                problems = [f"rank {r}: {v}" for r, v in zip(ranks, (store.get(k).decode() for k in keys)) if v]
+            else:
+                silent = [r for r, k in zip(ranks, keys) if not store.check([k])]
+                problems = [f"ranks {silent} did not report their parts within {timeout + 30:.0f}s"]
         if problems:
             writer.give_up(problems[0])
-        writer.flush(timeout=timeout)
+        ending.wait(writer.flush, timeout)
         verdict = ""
         if self.last_saved >= 0:
             last = [h for h in self._handles if h.step == self.last_saved]

@@ -48,8 +48,10 @@ import torch.distributed as dist
 
 from ..checkpoint.private import mac
 from ..env import DistEnv, read_env
+from .ending import FINISHED, Ending, keys_set
 from .secret import job_secret
 from ..errors import PipelineError
+from ..pipeline.group import GroupError, PeerTimeoutError
 
 __all__ = ["Coordinator", "Epoch", "LiveGroup", "agree_on_round", "base_store", "init_distributed", "job_store",
            "previous_crash", "record_crash", "round_owner", "shutdown", "stop_job", "stopped_job"]
@@ -278,15 +280,33 @@ class Coordinator:
 
     # -- leaving together ----------------------------------------------------------------------------------
 
-    def leave_together(self, position: int, timeout_s: float) -> None:
-        """Rank 0 says it is done with ``position``; the others wait for that (up to ``timeout_s``)."""
+    def settle_end(self, position: int, proposal: str) -> str:
+        """Settle how this epoch's ranks end ``position`` (see :mod:`pipedream_ft.ft.ending`): ``proposal``, unless
+        it is settled already; returns the settled value."""
+        if self.epoch is None or self.env.world_size == 1:
+            return proposal
+        return self.epoch.store.compare_set(KEY_FINISHED.format(position=position), "", proposal).decode()
+
+    def leave_together(self, position: int, ending: Ending, timeout_s: float) -> None:
+        """Rank 0 says it is done with ``position``; the others wait for that (up to ``timeout_s``, then
+        :class:`PeerTimeoutError`). A peer's failure meanwhile raises :class:`GroupError` (see ``ending``)."""
         if self.epoch is None or self.env.world_size == 1:
             return
-        key = KEY_FINISHED.format(position=position)
         if self.env.rank == 0:
-            self.epoch.store.set(key, "1")
-        else:
-            self.epoch.store.wait([key], timedelta(seconds=timeout_s))
+            ending.finish()
+            return
+        store, key = self.epoch.store, KEY_FINISHED.format(position=position)
+        set_ = keys_set(store, [key])
+
+        def settled(seconds: float) -> bool:
+            if not set_(seconds):
+                return False
+            if store.get(key).decode() != FINISHED:  # a peer failed, and another rank settled the end first
+                raise GroupError(f"a peer failed while checkpoint {position} was being finished")
+            return True
+
+        if not ending.wait(settled, timeout_s):
+            raise PeerTimeoutError(f"rank 0 did not finish position {position} within {timeout_s:.0f}s")
 
 
 class LiveGroup:

@@ -30,6 +30,9 @@ faults must be reachable while the first to arrive waits (each at a step its ran
                 (every rank restored the cut; the others wait for this one's address; ``step`` is ignored)
 ``drained``     die (SIGKILL) once the rank has run the last action of a ``train`` call, before the call's closing
                 gather of the losses (the ranks that finished first wait there; ``step`` is ignored)
+``finishing``   die (SIGKILL) at the end of a ``fit``, once every rank has gathered the call's losses and is
+                finishing the last checkpoint (this rank's part of it may still be being written; the others wait
+                for the commit; ``step`` is ignored)
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from ..pipeline.schedule import Action
 __all__ = ["KINDS", "Fault", "InjectedFault", "FaultInjector", "parse_faults"]
 
 KINDS = ("kill", "exception", "hang", "term", "supervisor", "ckpt_crash", "corrupt", "rejoin", "connect",
-         "drained")
+         "drained", "finishing")
 AT_FORWARD = ("kill", "exception", "hang", "term", "supervisor")
 """The kinds fired as a rank starts a forward: the only ones a ``together`` tag may join."""
 ENV_VAR = "PIPEDREAM_FT_FAULTS"
@@ -125,8 +128,12 @@ class FaultInjector(Hooks):
         when some are); ``key_prefix`` names this job's keys there."""
         self._mine = [f for f in faults if f.rank == rank]
         self._tag_sizes = Counter((f.together, f.attempt) for f in faults if f.together)
+        self._finishing = {f.attempt for f in faults if f.kind == "finishing"}
+        """The attempts in which some rank's ``finishing`` fault waits for every rank to check in."""
         if any(f.together for f in self._mine) and connect is None:
             raise ValueError(f"rank {rank}: faults tagged together= need the job's store (connect=), got none")
+        if self._finishing and connect is None:
+            raise ValueError(f"rank {rank}: a finishing fault needs the job's store (connect=), got none")
         self._connect = connect
         self._key_prefix = key_prefix
         self.rank = rank
@@ -183,21 +190,44 @@ class FaultInjector(Hooks):
         else:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    def _meet(self, fault: Fault, poll_s: float = 0.002) -> None:
+    def _meet(self, fault: Fault) -> None:
         """Wait until every fault tagged like ``fault`` (in its attempt) has been reached by its rank."""
-        assert self._connect is not None
         size = self._tag_sizes[(fault.together, fault.attempt)]
-        key = f"{self._key_prefix}/{fault.attempt}/{fault.together}"
+        arrived = self._arrive(f"{fault.attempt}/{fault.together}", size, wait=True)
+        if arrived < size:
+            raise InjectedFault(f"fault {fault}: {arrived} of the {size} faults tagged together="
+                                f"{fault.together} were reached within {TOGETHER_WAIT_S:.0f}s: a tagged fault "
+                                f"must be at a step its rank reaches while the others wait")
+
+    def _arrive(self, name: str, size: int, *, wait: bool, poll_s: float = 0.002) -> int:
+        """Check in at the meeting point ``name`` of this job's store; with ``wait``, until ``size`` have (at most
+        :data:`TOGETHER_WAIT_S`). Returns how many have."""
+        assert self._connect is not None
+        key = f"{self._key_prefix}/{name}"
         store = self._connect()
         arrived = store.add(key, 1)
         deadline = time.monotonic() + TOGETHER_WAIT_S
-        while arrived < size:
-            if time.monotonic() > deadline:
-                raise InjectedFault(f"fault {fault}: {arrived} of the {size} faults tagged together="
-                                    f"{fault.together} were reached within {TOGETHER_WAIT_S:.0f}s: a tagged fault "
-                                    f"must be at a step its rank reaches while the others wait")
+        while wait and arrived < size and time.monotonic() <= deadline:
             time.sleep(poll_s)
             arrived = store.add(key, 0)
+        return arrived
+
+    def at_finishing(self, world_size: int) -> None:
+        """Called as the rank starts finishing the last checkpoint of a ``fit``, the call's losses gathered. When
+        some rank's ``finishing`` fault is armed in this attempt every rank checks in, and that rank dies once all
+        ``world_size`` have."""
+        if self.attempt not in self._finishing:
+            return
+        f = next((f for f in self.faults if f.kind == "finishing"), None)
+        arrived = self._arrive(f"{self.attempt}/finishing", world_size, wait=f is not None)
+        if f is None:
+            return
+        if arrived < world_size:
+            raise InjectedFault(f"fault {f}: {arrived} of the {world_size} ranks began finishing within "
+                                f"{TOGETHER_WAIT_S:.0f}s")
+        self.faults.remove(f)
+        say(f"pipedream-ft: rank {self.rank}: injecting fault {f}", sys.stdout)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def at_drained(self) -> None:
         """Called as the rank has run the last action of a ``train`` call (``drained``)."""

@@ -136,6 +136,12 @@ class InPlace:
             ckpt.restored(formed.cut, durable=formed.durable)
             return formed
 
+    def peer_failed(self) -> bool:
+        """Whether a failure was counted in the group since this rank's epoch formed (one store read, on the
+        heartbeat's connection)."""
+        assert self.membership is not None and self.heartbeat is not None
+        return self.heartbeat.live.failures() > self.membership.epoch
+
     def recover(self, pipeline: Rebuildable, failure: str) -> tuple[Formed, dict[str, Any]]:
         """A peer failed: fall back to the newest cut every rank can restore and go on, in place. Returns the epoch
         formed and this recovery's record."""
