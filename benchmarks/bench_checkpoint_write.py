@@ -17,7 +17,10 @@ Writers compared (each ``--saves`` times, in rotated order, to a fresh directory
 - ``pdft-proc``: the alternative design, persisting in a separate process at nice 19: the state is copied into
   shared-memory tensors (the other process cannot see the trainer's private memory, so immutable tensors are
   copied too), and a persistent child process encodes, checksums and writes them the same way (O_DIRECT).
-  Its background CPU is the child's (``/proc/<pid>/stat``).
+  Its background CPU is the child's (``/proc/<pid>/stat``);
+- ``pdft+mem``: a cut saved to the memory tier (``/dev/shm``) and durably, as the runtime saves one: one snapshot
+  (``CheckpointWriter.snapshot``) handed to both writers; ``pdft+mem2``: the same with a snapshot per writer (how
+  the runtime saved such a cut before).
 
 Figures per writer (medians over saves): *blocking* = time ``save`` / ``async_save`` took (training waits);
 *total* = from the call to the data being durable; *background CPU* = CPU time of the whole process between
@@ -213,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from pipedream_ft.checkpoint import CheckpointWriter, Storage
+    from pipedream_ft.checkpoint import CheckpointWriter, MemoryTier, Storage, TierWriter
 
     base = Path(tempfile.mkdtemp(prefix="pdft-bench-write-", dir=args.dir))
     if args.device != "cpu" and not torch.cuda.is_available():
@@ -224,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     gb = stage.nbytes() / 1e9
     nice = None if args.nice < 0 else args.nice
     writers: dict[str, Any] = {}
-    for name in ("pdft", "pdft-copy"):
+    for name in ("pdft", "pdft-copy", "pdft+mem", "pdft+mem2"):
         st = Storage(str(base / name))
         writers[name] = CheckpointWriter(st, "stage0", is_committer=True, keep=2, checksum=args.checksum,
                                          persist_nice=nice, poll_interval_s=0.001, max_poll_interval_s=0.01)
@@ -235,6 +238,31 @@ def main(argv: list[str] | None = None) -> int:
 
             def wait() -> None:
                 assert h.wait(120) and h.ok, h.error
+            return wait
+        return save
+
+    shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else str(base)
+    memory: dict[str, Any] = {}
+    for name in ("pdft+mem", "pdft+mem2"):
+        tier = MemoryTier(f"bench-{os.getpid()}-{name[5:]}", key=os.urandom(32), root=shm_root)
+        memory[name] = (tier, TierWriter([tier], "stage0", keep=2))
+
+    def both_tiers(name: str, shared: bool) -> Callable[[int], Callable[[], None]]:
+        def save(step: int) -> Callable[[], None]:
+            durable, fast = writers[name], memory[name][1]
+            state = stage.state(True)
+            if shared:
+                snap = durable.snapshot(state)
+                try:
+                    h, m = durable.save(step, snap), fast.save(step, snap)
+                finally:
+                    snap.release()
+            else:
+                h, m = durable.save(step, state), fast.save(step, state)
+
+            def wait() -> None:
+                assert h.wait(120) and h.ok, h.error
+                assert m.wait(120) and not m.errors, m.errors
             return wait
         return save
 
@@ -273,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         return wait
 
     kinds: dict[str, Callable[[int], Callable[[], None]]] = {
-        "dcp": peer, "pdft-copy": pdft("pdft-copy", False), "pdft": pdft("pdft", True), "pdft-proc": proc}
+        "dcp": peer, "pdft-copy": pdft("pdft-copy", False), "pdft": pdft("pdft", True), "pdft-proc": proc,
+        "pdft+mem": both_tiers("pdft+mem", True), "pdft+mem2": both_tiers("pdft+mem2", False)}
     results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in kinds}
     order = list(kinds)
     print(f"checkpoint write: state {1000 * gb:.1f} MB (model + SGD momentum + {args.versions} version(s)), "
@@ -290,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for w in writers.values():
             w.close(10)
+        for tier, fast in memory.values():
+            fast.close(10)
+            tier.destroy()
         parent_conn.send(None)
         child.join(10)
         shutil.rmtree(base, ignore_errors=True)
@@ -301,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         b, t, c = med[k]
         rb, rc = b / med["dcp"][0], c / med["dcp"][2]
         print(f"{k:10s} {1000 * b:12.2f} {1000 * t:9.1f} {1000 * c:10.1f} {c / gb:12.3f} {rb:15.2f}x {rc:16.2f}x")
+    print(f"\nboth tiers at one cut, blocking: one snapshot / one per writer = "
+          f"{med['pdft+mem'][0] / med['pdft+mem2'][0]:.2f}x")
     b, _, c = med["pdft"]
     ok_b, ok_c = b <= 0.5 * med["dcp"][0], c <= 0.5 * med["dcp"][2]
     print(f"\n(medians over {args.saves} saves; blocking: the call; total: call -> durable; bg CPU: process CPU "

@@ -237,3 +237,34 @@ def test_memory_tier_validation_and_keep(tmp_path) -> None:
     assert tier.steps([]) == [3]
     with pytest.raises(ValueError, match="k must be an int >= 1"):
         tier.keep_last(0)
+
+
+def test_one_snapshot_feeds_both_tiers_and_its_buffers_return_at_the_last_release(tmp_path) -> None:
+    """A cut saved to the memory tier and to durable storage is copied once: both writers hold the same snapshot,
+    each part is the state at the save, and the buffers are reused only once both writers are done with them."""
+    storage = Storage(str(tmp_path / "durable"))
+    durable = CheckpointWriter(storage, "a", is_committer=True, poll_interval_s=0.005)
+    shm = MemoryTier("job", key=KEY, root=str(tmp_path))
+    fast = TierWriter([shm], "a", keep=5)
+    live = state_of(10)
+    snap = durable.snapshot(live)
+    copied = snap.tree["w"].data_ptr()
+    handle, save = durable.save(10, snap), fast.save(10, snap)
+    snap.release()  # the taker's hold: the writers still hold theirs
+    assert handle.copied_bytes == snap.copied_bytes > 0 and save.snapshot_s < 0.05
+    live["w"].add_(1)  # training goes on at once: neither part sees it
+    assert durable.flush(10) and fast.flush(10)
+    want = state_of(10)
+    same_state(load_newest([DurableTier(storage)], "a", [10])[2], want)  # type: ignore[index]
+    same_state(load_newest([shm], "a", [10])[2], want)  # type: ignore[index]
+    again = durable.snapshot(live)  # both writers released it: its buffers are taken again
+    assert again.tree["w"].data_ptr() == copied and torch.equal(again.tree["w"], live["w"])
+    again.release()
+    with pytest.raises(ValueError, match="snapshot was released"):
+        snap.retain()
+    with pytest.raises(TypeError, match="state must be a dict, got list"):
+        durable.snapshot([1])  # type: ignore[arg-type]
+    durable.close()
+    fast.close()
+    shm.destroy()
+

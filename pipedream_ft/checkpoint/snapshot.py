@@ -85,7 +85,12 @@ class _Arena:
 @dataclass(slots=True)
 class Snapshot:
     """A snapshot taken by :meth:`SnapshotPool.take`: ``tree`` holds CPU tensors, or device tensors still to be
-    copied by :meth:`materialize`. :meth:`release` returns its buffers to the pool (after persisting)."""
+    copied by :meth:`materialize`. :meth:`release` returns its buffers to the pool (after persisting).
+
+    One snapshot may feed several writers (a cut saved to the memory tier and to durable storage is snapshotted
+    once): each holder but the taker calls :meth:`retain`, every holder calls :meth:`release` when done with it,
+    and the buffers go back to the pool at the last release. :meth:`materialize` is safe from several threads
+    and does its work once."""
 
     tree: Any
     copied_bytes: int = 0
@@ -98,10 +103,24 @@ class Snapshot:
     _host_copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     """(pinned buffer in the tree, immutable CUDA tensor) pairs still to copy."""
     _deferred: bool = False
+    _holders: int = 1
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def retain(self) -> Snapshot:
+        """One more holder (released by one more :meth:`release`); returns this snapshot."""
+        with self._lock:
+            if self._holders == 0:
+                raise ValueError("the snapshot was released: its buffers may hold another save by now")
+            self._holders += 1
+        return self
 
     def materialize(self) -> Any:
         """The tree with every tensor on the CPU and safe to read: waits for the side-stream copies and copies
-        immutable device tensors to the host. Call from the persist thread."""
+        immutable device tensors to the host. Call from a persist thread."""
+        with self._lock:
+            return self._materialize()
+
+    def _materialize(self) -> Any:
         for ev in self._events:
             ev.synchronize()
         self._events.clear()
@@ -123,11 +142,16 @@ class Snapshot:
         return self.tree
 
     def release(self) -> None:
-        """Give the buffers back to the pool (the tree must not be used afterwards). Idempotent."""
-        self.tree = None
-        if self._pool is not None and self._arena is not None:
-            self._pool._release(self._arena)
-        self._arena = None
+        """This holder is done: at the last holder's release the buffers go back to the pool (the tree must not
+        be used afterwards). Idempotent once the last holder released it."""
+        with self._lock:
+            self._holders = max(0, self._holders - 1)
+            if self._holders:
+                return
+            self.tree = None
+            arena, self._arena = self._arena, None
+        if self._pool is not None and arena is not None:
+            self._pool._release(arena)
 
 
 class SnapshotPool:

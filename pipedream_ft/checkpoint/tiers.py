@@ -30,7 +30,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from .checksum import DEFAULT_ALGORITHM, checksum, validate_algorithm
 from .format import CheckpointError, CorruptCheckpointError, validate_part_name, validate_step
 from .reader import list_committed, load_part
-from .snapshot import SnapshotPool
+from .snapshot import Snapshot, SnapshotPool
 from .storage import Buffers, Storage
 from .tensorfile import encode_part
 
@@ -198,10 +198,12 @@ class TierWriter:
         with self._cond:
             return self._outstanding
 
-    def save(self, step: int, state: Mapping[str, Any]) -> TierSave:
-        """Snapshot ``state`` and put it into every tier in the background; returns after the snapshot."""
+    def save(self, step: int, state: Mapping[str, Any] | Snapshot) -> TierSave:
+        """Snapshot ``state`` and put it into every tier in the background; returns after the snapshot. ``state``
+        may be a snapshot taken already (by another writer, for the same cut): this writer then holds it too, and
+        the caller still releases its own hold."""
         validate_step(step)
-        if not isinstance(state, Mapping):
+        if not isinstance(state, (Mapping, Snapshot)):
             raise TypeError(f"state must be a dict, got {type(state).__name__}")
         t0 = time.perf_counter()
         with self._cond:
@@ -209,7 +211,7 @@ class TierWriter:
             while len(self._queue) >= self.max_queued and not self._closing:
                 self._cond.wait()
             self._check(step)
-        snap = self._pool.take(dict(state))
+        snap = state.retain() if isinstance(state, Snapshot) else self._pool.take(dict(state))
         handle = TierSave(step, time.perf_counter() - t0, {}, {}, _event=threading.Event())
         with self._cond:
             self._last_step = step

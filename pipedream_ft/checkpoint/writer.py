@@ -321,15 +321,26 @@ class CheckpointWriter:
 
     # ------------------------------------------------------------------------------ public API
 
-    def save(self, step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None = None) -> SaveHandle:
+    def snapshot(self, state: Mapping[str, Any]) -> Snapshot:
+        """Snapshot ``state`` into this writer's reused buffers, to hand to :meth:`save` — and to other writers
+        (a :class:`~.tiers.TierWriter`'s ``save``), so that a state saved to several places is copied once. The
+        caller releases it (:meth:`Snapshot.release`) once it handed it on."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a dict, got {type(state).__name__}")
+        return self._pool.take(dict(state))
+
+    def save(self, step: int, state: Mapping[str, Any] | Snapshot,
+             metadata: Mapping[str, Any] | None = None) -> SaveHandle:
         """Snapshot ``state`` now and persist it in the background; return right after the snapshot.
 
-        ``state`` is a dict of tensors and plain Python values (nested lists/tuples/dicts allowed). Tensors not
-        marked :func:`~.snapshot.immutable` are copied before this returns, so the caller may modify them right
-        away; immutable ones must never be modified. Steps must increase. Storage failures never raise here.
+        ``state`` is a dict of tensors and plain Python values (nested lists/tuples/dicts allowed), or a snapshot
+        of one taken already (:meth:`snapshot`; this writer then holds it too, and the caller still releases its
+        own hold). Tensors not marked :func:`~.snapshot.immutable` are copied before this returns, so the caller
+        may modify them right away; immutable ones must never be modified. Steps must increase. Storage failures
+        never raise here.
         """
         validate_step(step)
-        if not isinstance(state, Mapping):
+        if not isinstance(state, (Mapping, Snapshot)):
             raise TypeError(f"state must be a dict, got {type(state).__name__}")
         meta = dict(self.metadata)
         meta.update(normalize_metadata(metadata))
@@ -345,7 +356,7 @@ class CheckpointWriter:
                 while len(self._queue) >= self.max_queued and not self._closing:
                     self._cond.wait()
                 self._check_open(step)
-        snap = self._pool.take(dict(state))
+        snap = state.retain() if isinstance(state, Snapshot) else self._pool.take(dict(state))
         handle = SaveHandle(step, time.perf_counter() - t0, snap.copied_bytes, snap.referenced_bytes)
         job = _Job(step=step, snapshot=snap, metadata=meta, handle=handle,
                    deadline=time.monotonic() + self.commit_timeout_s, generation=self._generation)

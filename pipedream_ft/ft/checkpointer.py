@@ -566,23 +566,36 @@ class Checkpointer:
                 self.before_save(cut)
             t0 = time.perf_counter()
             w0 = time.time()
-            part = self.state.capture(cut, frozen=immutable)
+            part: Any = self.state.capture(cut, frozen=immutable)
             snapshot_s = 0.0
-            if to_memory:
-                assert self.memory is not None
-                save = self.memory.save(cut, part)
-                self._memory_saves.append(save)
-                snapshot_s += save.snapshot_s
-                self.last_memory = cut
-            if to_durable:
+            shared = None
+            if to_memory and to_durable:  # one snapshot feeds both tiers
                 assert self.writer is not None
-                handle = self.writer.save(cut, part)
-                snapshot_s += handle.snapshot_s
-                self.last_saved = cut
-                self._handles.append(handle)
-                del self._handles[:-4]
-                if self.topo.is_first:
-                    self._observe_costs()
+                s0 = time.perf_counter()
+                part = shared = self.writer.snapshot(part)
+                take_s = time.perf_counter() - s0
+                snapshot_s += take_s
+            try:
+                if to_memory:
+                    assert self.memory is not None
+                    save = self.memory.save(cut, part)
+                    self._memory_saves.append(save)
+                    snapshot_s += save.snapshot_s
+                    self.last_memory = cut
+                if to_durable:
+                    assert self.writer is not None
+                    handle = self.writer.save(cut, part)
+                    snapshot_s += handle.snapshot_s
+                    if shared is not None:  # what the durable save blocked for, as the policy weighs it
+                        handle.snapshot_s += take_s
+                    self.last_saved = cut
+                    self._handles.append(handle)
+                    del self._handles[:-4]
+                    if self.topo.is_first:
+                        self._observe_costs()
+            finally:
+                if shared is not None:
+                    shared.release()
             self.last_save_s = time.perf_counter() - t0
             self.hooks.on_checkpoint(cut, w0, time.time(), snapshot_s)
             log.info("rank %d: checkpoint %d (%s) snapshot in %.3fs", self.topo.rank, cut,
