@@ -101,8 +101,12 @@ def _max_diff(a: Path, b: Path) -> float | None:
 
 def _snapshot_check(directory: Path) -> dict[str, Any]:
     """Save GPU tensors (copied, and marked immutable), change the copied ones in place on the GPU as soon as
-    ``save`` returns, and read the checkpoint back: it must hold the values at the call, bit for bit."""
-    from pipedream_ft.checkpoint import CheckpointWriter, Storage, immutable
+    ``save`` returns, and read the checkpoint back: it must hold the values at the call, bit for bit. Every other
+    save takes one snapshot for durable storage and the memory tier (as the runtime saves a cut to both), whose
+    part is read back too."""
+    import os
+
+    from pipedream_ft.checkpoint import CheckpointWriter, MemoryTier, Storage, TierWriter, immutable, load_newest
     from pipedream_ft.checkpoint.reader import load_part
 
     torch.manual_seed(0)
@@ -110,23 +114,40 @@ def _snapshot_check(directory: Path) -> dict[str, Any]:
     frozen: dict[str, torch.Tensor] = {}  # weight versions: a new one per save, the oldest dropped, as the runtime does
     storage = Storage(str(directory))
     writer = CheckpointWriter(storage, "stage0", is_committer=True, keep=2)
+    tier = MemoryTier(f"bench-gpu-{os.getpid()}", key=os.urandom(32),
+                      root="/dev/shm" if os.path.isdir("/dev/shm") else str(directory))
+    fast = TierWriter([tier], "stage0", keep=2)
     worst = 0.0
     try:
         for step in range(1, 5):
             frozen = {**{k: v for k, v in frozen.items() if int(k[1:]) > step - 3},
                       f"v{step}": torch.randn(1024, 1024, device="cuda") * step}
             expected = {k: v.cpu().clone() for k, v in live.items()}  # .cpu() alone is no copy on a CPU
-            handle = writer.save(step, {"model": live, "versions": immutable(frozen)})
+            state = {"model": live, "versions": immutable(frozen)}
+            memory = None
+            if step % 2 == 0:
+                snap = writer.snapshot(state)
+                handle, memory = writer.save(step, snap), fast.save(step, snap)
+                snap.release()
+            else:
+                handle = writer.save(step, state)
             for v in live.values():  # the next update, queued on the GPU right away
                 v.mul_(1.5).add_(1.0)
             assert handle.wait(120) and handle.ok, handle.error
-            got = load_part(storage, step, "stage0")
-            worst = max([worst] + [float((got["model"][k] - expected[k]).abs().max()) for k in live]
-                        + [float((got["versions"][k] - frozen[k].cpu()).abs().max()) for k in frozen])
+            parts = [load_part(storage, step, "stage0")]
+            if memory is not None:
+                assert memory.wait(120) and not memory.errors, memory.errors
+                parts.append(load_newest([tier], "stage0", [step])[2])  # type: ignore[index]
+            for got in parts:
+                worst = max([worst] + [float((got["model"][k] - expected[k]).abs().max()) for k in live]
+                            + [float((got["versions"][k] - frozen[k].cpu()).abs().max()) for k in frozen])
     finally:
         writer.close(30)
+        fast.close(30)
+        tier.destroy()
     print(f"[snapshot] 4 saves of {len(live)} live GPU tensors, each changed in place as save returned, and 1-3 "
-          f"immutable ones (a new one per save): largest difference read back {worst}", flush=True)
+          f"immutable ones (a new one per save), 2 of them also to the memory tier from the same snapshot: largest "
+          f"difference read back {worst}", flush=True)
     return {"max_abs_diff": worst}
 
 
