@@ -26,8 +26,10 @@ from typing import Any
 
 import torch
 
+from .checksum import checksum
 from .directio import aligned_empty
-from .tensorfile import dtype_name
+from .storage import Buffers
+from .tensorfile import dtype_name, encode_part
 
 __all__ = ["Immutable", "Snapshot", "SnapshotPool", "immutable"]
 
@@ -105,6 +107,7 @@ class Snapshot:
     _deferred: bool = False
     _holders: int = 1
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _encoded: dict[str, tuple[Buffers, str]] = field(default_factory=dict)
 
     def retain(self) -> Snapshot:
         """One more holder (released by one more :meth:`release`); returns this snapshot."""
@@ -119,6 +122,17 @@ class Snapshot:
         immutable device tensors to the host. Call from a persist thread."""
         with self._lock:
             return self._materialize()
+
+    def encoded(self, algorithm: str) -> tuple[Buffers, str]:
+        """The part's file (:func:`~.tensorfile.encode_part` of the materialized tree) and its checksum under
+        ``algorithm``: made once, by the first holder that asks, for every holder (a cut saved to the memory tier
+        and durably is encoded and checksummed once). Call from a persist thread."""
+        with self._lock:
+            got = self._encoded.get(algorithm)
+            if got is None:
+                data = Buffers(encode_part(self._materialize()).chunks())
+                got = self._encoded[algorithm] = (data, checksum(data, algorithm))
+            return got
 
     def _materialize(self) -> Any:
         for ev in self._events:
@@ -149,6 +163,7 @@ class Snapshot:
             if self._holders:
                 return
             self.tree = None
+            self._encoded.clear()
             arena, self._arena = self._arena, None
         if self._pool is not None and arena is not None:
             self._pool._release(arena)

@@ -27,12 +27,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from .checksum import DEFAULT_ALGORITHM, checksum, validate_algorithm
+from .checksum import DEFAULT_ALGORITHM, validate_algorithm
 from .format import CheckpointError, CorruptCheckpointError, validate_part_name, validate_step
 from .reader import list_committed, load_part
 from .snapshot import Snapshot, SnapshotPool
 from .storage import Buffers, Storage
-from .tensorfile import encode_part
 
 __all__ = ["DurableTier", "Tier", "TierSave", "TierWriter", "available_steps", "load_newest"]
 
@@ -274,9 +273,7 @@ class TierWriter:
                     self._cond.notify_all()
 
     def _put(self, handle: TierSave, snap: Any) -> None:
-        encoded = encode_part(snap.materialize())
-        data = Buffers(encoded.chunks())
-        digest = checksum(data, self.checksum_algorithm)
+        data, digest = snap.encoded(self.checksum_algorithm)
         handle.bytes = len(data)
         for tier in self.tiers:
             t0 = time.perf_counter()

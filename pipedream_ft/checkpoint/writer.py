@@ -60,7 +60,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from .checksum import DEFAULT_ALGORITHM, checksum, validate_algorithm
+from .checksum import DEFAULT_ALGORITHM, validate_algorithm
 from .format import (
     CheckpointError,
     CommitRecord,
@@ -77,7 +77,6 @@ from .format import (
 )
 from .snapshot import Snapshot, SnapshotPool
 from .storage import Buffers, Storage, StorageError
-from .tensorfile import encode_part
 
 __all__ = ["CheckpointWriter", "SaveHandle", "lower_thread_priority"]
 
@@ -586,9 +585,8 @@ class CheckpointWriter:
         step, handle = job.step, job.handle
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
-            encoded = encode_part(job.snapshot.materialize())
-            data = Buffers(encoded.chunks())
-            meta = PartMeta(name=self.part_name, step=step, checksum=checksum(data, self.checksum), size=len(data))
+            data, digest = job.snapshot.encoded(self.checksum)
+            meta = PartMeta(name=self.part_name, step=step, checksum=digest, size=len(data))
         except Exception as exc:
             job.snapshot.release()
             logger.warning("checkpoint part %s step %d: cannot serialize: %s", self.part_name, step, exc)
@@ -598,7 +596,7 @@ class CheckpointWriter:
             self._write_part(job, data, meta, t0, c0)
         finally:
             job.snapshot.release()
-            del data, encoded
+            del data
 
     def _write_part(self, job: _Job, data: Buffers, meta: PartMeta, t0: float, c0: float) -> None:
         step, handle, storage = job.step, job.handle, self.storage
