@@ -18,7 +18,7 @@ from pipedream_ft.observe.timeline_cli import main as timeline_main
 from pipedream_ft.pipeline.modes import Flush
 from pipedream_ft.pipeline.schedule import Action, ScheduleError, simulate, synchronous
 from pipedream_reference import minibatch_sgd_reference
-from test_timeline import hex_rgb, png_colours
+from png_helpers import hex_rgb, png_colours
 from runtime_cases import OPTIMIZERS, gpt_case, gpt_plan, lm_data, lm_loss, tiny_gpt
 from partitioner.plan import PlanError
 

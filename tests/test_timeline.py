@@ -14,11 +14,10 @@ from pipedream_ft.observe.plot import BACKWARD_COLOR, FORWARD_COLOR, clip_trace,
 from pipedream_ft.pipeline.schedule import one_f_one_b, simulate
 from pipedream_ft.observe.timeline import TimelineRecorder, merge_traces, trace_files
 from pipedream_ft.observe.timeline_cli import main
+from png_helpers import hex_rgb, png_colours, png_size
 
 pytestmark = pytest.mark.timeout(120)
 
-PIL = pytest.importorskip("PIL.Image")
-pytest.importorskip("matplotlib")
 
 CATS = {"F": "forward", "B": "backward", "U": "update"}
 
@@ -113,21 +112,6 @@ def check_schedule(trace: dict[str, Any], *, stages: int, start: int, stop: int,
                 assert after(f, first[("F", b, s - 1)]), f"F{b} on stage {s} before stage {s - 1}"
             if s < stages - 1:
                 assert after(bw, first[("B", b, s + 1)]), f"B{b} on stage {s} before stage {s + 1}"
-
-
-def png_colours(path: Path) -> set[tuple[int, int, int]]:
-    with PIL.open(path) as im:
-        assert im.format == "PNG"
-        return {c[:3] for _, c in im.convert("RGBA").getcolors(maxcolors=1 << 20)}
-
-
-def png_size(path: Path) -> tuple[int, int]:
-    with PIL.open(path) as im:
-        return im.size
-
-
-def hex_rgb(colour: str) -> tuple[int, int, int]:
-    return tuple(int(colour[i: i + 2], 16) for i in (1, 3, 5))  # type: ignore[return-value]
 
 
 # -- simulated traces -------------------------------------------------------------------------------------------

@@ -245,8 +245,7 @@ class FaultInjector(Hooks):
 
     def before_save(self, checkpointer: Any, cut: int) -> None:
         """The checkpointer's seam before each save of ``cut``: a ``corrupt`` fault acts here."""
-        if any(f.kind == "corrupt" for f in self.faults):
-            self._corrupt_before(checkpointer, cut)
+        self._corrupt_before(checkpointer, cut)
 
     def _corrupt_before(self, ckpt: Any, cut: int) -> None:
         """``corrupt``: at a save after checkpoint ``step``, damage this rank's part of the newest committed
