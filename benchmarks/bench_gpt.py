@@ -25,19 +25,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import multiprocessing as mp
 import os
-import socket
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from spawned import gather  # noqa: E402
+from spawned import run_world  # noqa: E402
 
 __all__ = ["Settings", "single_process", "run_pipeline", "main"]
 
@@ -152,32 +149,10 @@ def _rank_main(s: Settings, plan_json: dict[str, Any], mode: str) -> dict[str, A
     return out
 
 
-def _entry(s: Settings, plan_json: dict[str, Any], mode: str, rank: int, world: int, port: int, q: Any) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"})
-    try:
-        q.put((rank, True, _rank_main(s, plan_json, mode)))
-    except BaseException:  # report everything, SystemExit included
-        q.put((rank, False, traceback.format_exc()))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run_pipeline(s: Settings, plan_json: dict[str, Any], mode: str) -> list[dict[str, Any]]:
     """Spawn one process per rank of the plan, train, return each rank's figures (rank order)."""
     world = sum(len(st["ranks"]) for st in plan_json["stages"])
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(s, plan_json, mode, r, world, port, q), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    return gather(procs, q, s.timeout_s + 120, f"{mode} pipeline")
+    return run_world(_rank_main, (s, plan_json, mode), world, s.timeout_s + 120, f"{mode} pipeline")
 
 
 # -- report ---------------------------------------------------------------------------------------------------

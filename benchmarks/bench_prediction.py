@@ -24,20 +24,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import multiprocessing as mp
-import os
-import socket
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from spawned import gather  # noqa: E402
+from spawned import run_world  # noqa: E402
 
 __all__ = ["Case", "CASES", "make_case", "profile_case", "run_plan", "probe_machine", "main"]
 
@@ -143,31 +139,9 @@ def _rank_main(case: Case, plan_json: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _entry(fn: Any, args: tuple, rank: int, world: int, port: int, q: Any) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-                       "OMP_NUM_THREADS": "1"})
-    try:
-        q.put((rank, True, fn(*args)))
-    except BaseException:  # report everything, SystemExit included
-        q.put((rank, False, traceback.format_exc()))
-
-
-def _world(fn: Any, args: tuple, world: int, timeout_s: float) -> list[Any]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    procs = [ctx.Process(target=_entry, args=(fn, args, r, world, port, q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    return gather(procs, q, timeout_s, "the world")
-
-
 def run_plan(case: Case, plan: Any) -> dict[str, Any]:
     """Train ``plan`` on its ranks; steady-state seconds per minibatch and per-rank figures."""
-    res = _world(_rank_main, (case, plan.to_json()), plan.world_size, case.timeout_s + 120)
+    res = run_world(_rank_main, (case, plan.to_json()), plan.world_size, case.timeout_s + 120, "the world")
     stamps = sorted(t for r in res if r["last"] for t in r["stamps"])
     n = len(stamps)
     unit = plan.stages[-1].replicas  # the last stage's replicas stamp in bursts: measure whole bursts
@@ -186,7 +160,7 @@ def probe_machine(path: str, world: int = 4) -> Any:
     """Run the probe on ``world`` spawned ranks; the machine profile it wrote."""
     from partitioner.machine import load_machine
 
-    codes = _world(_probe_rank, (path,), world, 240)
+    codes = run_world(_probe_rank, (path,), world, 240, "the probe")
     if any(codes):
         raise RuntimeError(f"the probe failed: exit codes {codes}")
     return load_machine(path)

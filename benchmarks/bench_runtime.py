@@ -22,20 +22,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import multiprocessing as mp
 import os
 import resource
-import socket
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from spawned import gather  # noqa: E402
+from spawned import run_world  # noqa: E402
 
 __all__ = ["Case", "run_case", "main"]
 
@@ -164,35 +161,9 @@ def _rank_main(case: Case) -> dict[str, Any]:
     return out
 
 
-def _entry(case: Case, rank: int, port: int, q: Any) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(case.stages), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"})
-    try:
-        q.put((rank, True, _rank_main(case)))
-    except BaseException:  # report everything to the parent, SystemExit included
-        q.put((rank, False, traceback.format_exc()))
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_case(case: Case) -> list[dict[str, Any]]:
     """Spawn ``case.stages`` ranks, run both pipelines, return each rank's figures (rank order)."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(case, r, port, q), daemon=True) for r in range(case.stages)]
-    for p in procs:
-        p.start()
-    return gather(procs, q, case.timeout_s + 60, f"case {case}")
+    return run_world(_rank_main, (case,), case.stages, case.timeout_s + 60, f"case {case}")
 
 
 # -- report ---------------------------------------------------------------------------------------------------

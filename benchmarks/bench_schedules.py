@@ -40,13 +40,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import multiprocessing as mp
-import os
 import resource
-import socket
 import sys
 import time
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -54,7 +50,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from spawned import gather  # noqa: E402
+from spawned import run_world  # noqa: E402
 
 __all__ = ["Case", "PEERS", "run_cases", "predict", "split_check", "main"]
 
@@ -311,38 +307,13 @@ def _rank_case(case: Case) -> dict[str, Any]:
     return out
 
 
-def _entry(cases: list[Case], rank: int, port: int, q: Any) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(cases[0].stages), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"})
-    try:
-        q.put((rank, True, _rank_main(cases)))
-    except BaseException:  # report everything to the parent, SystemExit included
-        q.put((rank, False, traceback.format_exc()))
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_cases(cases: list[Case]) -> list[list[dict[str, Any]]]:
     """Spawn ``stages`` ranks once, run every case's schedules with both libraries in them; return, per case,
     each rank's figures (rank order). The processes are killed if they take longer than the cases' timeouts."""
     if len({c.stages for c in cases}) != 1:
         raise ValueError("every case of one run needs the same number of stages")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(cases, r, port, q), daemon=True) for r in range(cases[0].stages)]
-    for p in procs:
-        p.start()
-    per_rank = gather(procs, q, sum(c.timeout_s for c in cases), "cases " + ", ".join(c.label for c in cases))
+    per_rank = run_world(_rank_main, (cases,), cases[0].stages, sum(c.timeout_s for c in cases),
+                         "cases " + ", ".join(c.label for c in cases))
     return [[per_rank[r][i] for r in range(len(per_rank))] for i in range(len(cases))]
 
 
