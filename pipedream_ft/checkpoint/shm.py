@@ -42,10 +42,10 @@ import re
 import shutil
 import stat
 import time
-import uuid
 import weakref
 from typing import Any, Sequence
 
+from ..atomic import replace_atomically, write_all
 from .checksum import parse_checksum
 from .format import (
     PART_DATA_SUFFIX,
@@ -390,22 +390,11 @@ def reclaim_stale(root: str = DEFAULT_SHM_ROOT, *, older_than_s: float = DEFAULT
 
 
 def _write_atomic(path: str, chunks: Sequence[memoryview]) -> int:
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-    size = 0
-    try:
+    def write(tmp: str) -> int:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "wb", buffering=0) as f:
-            for chunk in chunks:
-                view = memoryview(chunk)
-                while view:
-                    n = f.write(view)
-                    size += n
-                    view = view[n:]
-        os.replace(tmp, path)
-    except BaseException:
         try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return size
+            return write_all(fd, chunks)
+        finally:
+            os.close(fd)
+
+    return replace_atomically(path, write)

@@ -31,6 +31,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, TypeVar
 
+from ..atomic import replace_atomically, write_all
 from . import directio
 from .format import CheckpointError
 
@@ -440,27 +441,19 @@ class Storage:
         created = not os.path.isdir(directory)
         _make_dirs(directory)
         tmp = os.path.join(directory, f".{os.path.basename(path)}{_TMP_MARKER}{uuid.uuid4().hex[:12]}")
-        try:
-            direct = self._write_file_direct(tmp, data, durable)
-            if not direct:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    for chunk in data.chunks if isinstance(data, Buffers) else (data,):
-                        view = memoryview(chunk)
-                        while view:
-                            n = os.write(fd, view)
-                            view = view[n:]
-                    if durable:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-            os.replace(tmp, path)
-        except BaseException:
+
+        def write(tmp: str) -> None:
+            if self._write_file_direct(tmp, data, durable):
+                return
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+                write_all(fd, data.chunks if isinstance(data, Buffers) else (data,))
+                if durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        replace_atomically(path, write, tmp=tmp)
         if durable:
             _fsync_dir(directory)
             if created:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..atomic import replace_atomically
+
 __all__ = [
     "FORWARD_COLOR",
     "BACKWARD_COLOR",
@@ -350,12 +352,10 @@ def draw_timeline(trace: dict[str, Any], path: str | os.PathLike[str], *, width_
 
     out = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    try:
+
+    def write(tmp: str) -> tuple[int, int]:
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format="png", dpi=_DPI)
-        size = _png_size(tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return size
+        return _png_size(tmp)
+
+    return replace_atomically(str(out), write, tmp=tmp)

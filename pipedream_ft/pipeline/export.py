@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..atomic import replace_atomically
 from ..errors import PipelineError
 from .comm import Messenger
 
@@ -70,36 +71,19 @@ def gather_to_root(messenger: Messenger, obj: Any, root: int = 0) -> list[Any] |
 def write_state_dict(state: dict[str, torch.Tensor], path: str, format: str) -> None:
     """Write ``state`` to ``path`` in ``format``, atomically (temporary file, then rename)."""
     check_format(format)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
+
+    def write(tmp: str) -> None:
         if format == "torch":
             torch.save(state, tmp)
         else:
             from safetensors.torch import save_file
 
             save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()}, tmp)
-        os.replace(tmp, path)
-    except BaseException as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(exc, Exception):
-            raise PipelineError(f"cannot write the model to {path}: {exc}") from exc
-        raise
 
-
-def _atomic(path: str, write: Any) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+        replace_atomically(path, write, tmp=f"{path}.tmp-{os.getpid()}")
+    except Exception as exc:
+        raise PipelineError(f"cannot write the model to {path}: {exc}") from exc
 
 
 def save_model(messenger: Messenger, module: nn.Module, *, replica: int, path: str, format: str = "torch") -> None:
@@ -173,13 +157,18 @@ def write_pretrained(state: dict[str, torch.Tensor], directory: str, pretrained:
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     for name, shard in zip(names, shards):
-        _atomic(os.path.join(directory, name),
-                lambda tmp, shard=shard: save_file(shard, tmp, metadata={"format": "pt"}))
+        replace_atomically(os.path.join(directory, name),
+                           lambda tmp, shard=shard: save_file(shard, tmp, metadata={"format": "pt"}))
     index = os.path.join(directory, "model.safetensors.index.json")
     if len(shards) > 1:
         body = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                 "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
-        _atomic(index, lambda tmp: open(tmp, "w").write(json.dumps(body, indent=2, sort_keys=True)))
+
+        def write_index(tmp: str) -> None:
+            with open(tmp, "w") as f:
+                f.write(json.dumps(body, indent=2, sort_keys=True))
+
+        replace_atomically(index, write_index)
     elif os.path.exists(index):
         os.unlink(index)
     pretrained.config.save_pretrained(directory)
