@@ -65,7 +65,7 @@ from .pipeline.hooks import HookList, Hooks
 from .pipeline.modes import MODES, Mode, make_mode
 from .pipeline.precision import LossScale, LossScaler, autocast_context
 from .pipeline.record import TrainRecord
-from .pipeline.schedule import Action
+from .pipeline.schedule import Action, receives_ahead
 from .pipeline.scheduler import SchedulerFactory, attach_scheduler
 from .pipeline.stage import build_stage, executed_layers, model_layers
 from .pipeline.state import StageState
@@ -471,15 +471,10 @@ class PipelineTrainer:
                 feed.prepare(self.position)
                 ex.preflight(feed)
             actions = self.schedule(self.position, stop)
-            forwards = [i for i, a in enumerate(actions) if a.kind == "F"]
             run = {"B": ex.backward, "I": ex.backward_input, "W": ex.backward_weight, "U": ex.update}
-            nxt = 0  # first forward at or after the current action
-            for i, action in enumerate(actions):
-                # post the next receives before computing: this forward's and the next one's
-                while nxt < len(forwards) and forwards[nxt] < i:
-                    nxt += 1
-                for j in forwards[nxt: nxt + (2 if action.kind == "F" else 1)]:
-                    ex.post_activation_recv(actions[j].index)
+            for action, ahead in zip(actions, receives_ahead(actions)):
+                for b in ahead:
+                    ex.post_activation_recv(b)
                 self.hooks.on_action(action)
                 if action.kind == "F":
                     ex.forward(action.index, feed)

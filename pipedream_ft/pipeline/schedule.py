@@ -33,6 +33,7 @@ __all__ = [
     "SYNCHRONOUS",
     "synchronous",
     "double_buffered",
+    "receives_ahead",
     "simulate",
     "render",
 ]
@@ -164,6 +165,21 @@ def double_buffered(stage: int, replica: int, replicas: Sequence[int], start: in
         if i + k < len(mine):
             actions.append(Action("F", mine[i + k]))
     return actions
+
+
+def receives_ahead(actions: Sequence[Action]) -> list[list[int]]:
+    """For each action of a rank's schedule, the minibatches whose activations to post a receive for just before
+    it: the next forward's at every action, and at a forward also the one after it — so a stage's input is on
+    its way while it computes, and a sender never blocks on a receive not yet posted. Posting the same receive
+    twice is harmless (the executor keeps the first)."""
+    forwards = [i for i, a in enumerate(actions) if a.kind == "F"]
+    out: list[list[int]] = []
+    nxt = 0  # first forward at or after the current action
+    for i, action in enumerate(actions):
+        while nxt < len(forwards) and forwards[nxt] < i:
+            nxt += 1
+        out.append([actions[j].index for j in forwards[nxt: nxt + (2 if action.kind == "F" else 1)]])
+    return out
 
 
 def _check_window(start: int, stop: int, replicas: Sequence[int]) -> None:
