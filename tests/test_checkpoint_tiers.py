@@ -251,7 +251,8 @@ def test_one_snapshot_feeds_both_tiers_and_its_buffers_return_at_the_last_releas
     copied = snap.tree["w"].data_ptr()
     handle, save = durable.save(10, snap), fast.save(10, snap)
     snap.release()  # the taker's hold: the writers still hold theirs
-    assert handle.copied_bytes == snap.copied_bytes > 0 and save.snapshot_s < 0.05
+    assert handle.copied_bytes == snap.copied_bytes > 0
+    assert fast._pool._arenas == []  # the memory tier's writer copied nothing: it holds the durable one's snapshot
     live["w"].add_(1)  # training goes on at once: neither part sees it
     assert durable.flush(10) and fast.flush(10)
     want = state_of(10)
