@@ -37,13 +37,13 @@ def test_a_wait_ends_when_its_step_is_done_or_its_time_is_up(store):
     assert len(calls) == 3
     t0 = time.monotonic()
     assert not ending.wait(keys_set(store, ["never"]), 0.3)
-    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert 0.3 <= time.monotonic() - t0 < 10.0  # it returns once its time is up (not a timing bound)
 
 
 def test_without_in_place_recovery_a_wait_is_not_cut_into_slices(store):
     asked: list[float] = []
     Ending(48, None, settler(store)).wait(lambda s: (asked.append(s), True)[1], 30.0)
-    assert asked[0] > 29  # one wait, as long as the timeout: nothing to look at between slices
+    assert asked[0] > 25  # one wait, as long as the timeout: nothing to look at between slices
 
 
 def test_a_peer_failure_settles_the_end_as_recover_and_every_rank_raises(store):
