@@ -471,15 +471,11 @@ class PipelineTrainer:
                 feed.prepare(self.position)
                 ex.preflight(feed)
             actions = self.schedule(self.position, stop)
-            run = {"B": ex.backward, "I": ex.backward_input, "W": ex.backward_weight, "U": ex.update}
             for action, ahead in zip(actions, receives_ahead(actions)):
                 for b in ahead:
                     ex.post_activation_recv(b)
                 self.hooks.on_action(action)
-                if action.kind == "F":
-                    ex.forward(action.index, feed)
-                else:
-                    run[action.kind](action.index)
+                ex.run(action, feed)
                 if self.ckpt is not None:
                     self.ckpt.announce_preemption()
             if self.state.tied:

@@ -22,15 +22,15 @@ MLP4 = [[0, 1], [2, 3], [4, 5], [6, 7, 8]]
 loss_fn = torch.nn.functional.cross_entropy
 
 
-def _actions(text: str) -> list[Action]:
-    return [Action(t[0], int(t[1:])) for t in text.split()]
+def _actions(text: str, stage: int) -> list[Action]:
+    return [Action(stage, t[0], int(t[1:])) for t in text.split()]
 
 
 def test_schedule_is_1f1b_without_flush_and_one_update_per_window():
-    assert double_buffered(0, 0, [1, 1], 0, 6, 2) == _actions("F0 F1 B0 F2 B1 U0 F3 B2 F4 B3 U1 F5 B4 B5 U2")
-    assert double_buffered(1, 0, [1, 1], 0, 6, 2) == _actions("F0 B0 F1 B1 U0 F2 B2 F3 B3 U1 F4 B4 F5 B5 U2")
+    assert double_buffered(0, 0, [1, 1], 0, 6, 2) == _actions("F0 F1 B0 F2 B1 U0 F3 B2 F4 B3 U1 F5 B4 B5 U2", 0)
+    assert double_buffered(1, 0, [1, 1], 0, 6, 2) == _actions("F0 B0 F1 B1 U0 F2 B2 F3 B3 U1 F4 B4 F5 B5 U2", 1)
     # a replicated first stage: each replica updates after its own last backward of the window
-    assert double_buffered(0, 1, [2, 1], 0, 8, 4) == _actions("F1 F3 B1 F5 B3 U0 F7 B5 B7 U1")
+    assert double_buffered(0, 1, [2, 1], 0, 8, 4) == _actions("F1 F3 B1 F5 B3 U0 F7 B5 B7 U1", 0)
     for replicas in ([1, 1, 1, 1], [2, 1, 1]):
         scheds = [[double_buffered(s, r, replicas, 0, 24, 4) for r in range(n)] for s, n in enumerate(replicas)]
         simulate(scheds, replicas)  # runs to completion (raises on a deadlock)

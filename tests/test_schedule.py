@@ -5,6 +5,7 @@ import pytest
 
 from pipedream_ft.pipeline.schedule import (Action, ScheduleError, flushing, in_flight, one_f_one_b, render,
                                    replica_minibatches, simulate)
+from pipedream_ft.schedules import parse_action
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -17,18 +18,22 @@ def grid(replicas, n, window=None):
 
 def test_straight_1f1b_table():
     # 4 stages, 8 minibatches: warm-up of S - s forwards, then one backward (and its update), one forward.
+    # every action names its stage: the same spelling as pipedream_ft.schedules (``3F0``)
     assert [str(a) for a in one_f_one_b(0, 0, [1, 1, 1, 1], 0, 8)] == (
-        "F0 F1 F2 F3 B0 U0 F4 B1 U1 F5 B2 U2 F6 B3 U3 F7 B4 U4 B5 U5 B6 U6 B7 U7".split())
-    assert [str(a) for a in one_f_one_b(3, 0, [1, 1, 1, 1], 0, 4)] == "F0 B0 U0 F1 B1 U1 F2 B2 U2 F3 B3 U3".split()
+        "0F0 0F1 0F2 0F3 0B0 0U0 0F4 0B1 0U1 0F5 0B2 0U2 0F6 0B3 0U3 0F7 0B4 0U4 0B5 0U5 0B6 0U6 0B7 0U7".split())
+    assert [str(a) for a in one_f_one_b(3, 0, [1, 1, 1, 1], 0, 4)] == (
+        "3F0 3B0 3U0 3F1 3B1 3U1 3F2 3B2 3U2 3F3 3B3 3U3".split())
+    assert [parse_action(str(a)) for a in one_f_one_b(2, 0, [1, 1, 1, 1], 0, 4)] == one_f_one_b(2, 0, [1] * 4, 0, 4)
     assert render(grid([1, 1, 1, 1], 8)).splitlines()[3] == (
-        "rank 3:  .  .  . F0 B0 U0 F1 B1 U1 F2 B2 U2 F3 B3 U3 F4 B4 U4 F5 B5 U5 F6 B6 U6 F7 B7 U7  .  .  .")
+        "rank 3:   .   .   . 3F0 3B0 3U0 3F1 3B1 3U1 3F2 3B2 3U2 3F3 3B3 3U3 3F4 3B4 3U4 3F5 3B5 3U5 3F6 3B6 3U6 "
+        "3F7 3B7 3U7   .   .   .")
 
 
 def test_no_flush_in_steady_state():
     # between the first and the last backward of stage 0 the pipeline never drains: stage 3 is busy every tick
     g = grid([1, 1, 1, 1], 16)
     busy = [row[3] for row in g]
-    first, last = busy.index(Action("F", 0)), max(i for i, a in enumerate(busy) if a is not None)
+    first, last = busy.index(Action(3, "F", 0)), max(i for i, a in enumerate(busy) if a is not None)
     assert all(a is not None for a in busy[first:last + 1])
 
 
@@ -56,14 +61,15 @@ def test_every_schedule_completes(replicas):
             bwd = [a.index for a in done if a.kind == "B"]
             assert sorted(fwd) == sorted(bwd)
             for b in bwd:  # every forward before its backward
-                assert done.index(Action("F", b)) < done.index(Action("B", b))
+                s = done[0].stage
+                assert done.index(Action(s, "F", b)) < done.index(Action(s, "B", b))
         g = grid(replicas, 2 * lcm, window=lcm)
         assert g
 
 
 def test_flushing_window_and_updates():
     acts = flushing(1, 0, [1, 1], 0, 8, 4)
-    assert [str(a) for a in acts] == "F0 B0 F1 B1 F2 B2 F3 B3 U0 F4 B4 F5 B5 F6 B6 F7 B7 U1".split()
+    assert [str(a) for a in acts] == "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3 1U0 1F4 1B4 1F5 1B5 1F6 1B6 1F7 1B7 1U1".split()
     with pytest.raises(ValueError, match="whole windows"):
         flushing(0, 0, [1], 0, 6, 4)
     with pytest.raises(ValueError, match="multiple of every stage's replica count"):
@@ -78,7 +84,7 @@ def test_bad_ranges_are_refused():
 
 
 def test_deadlock_is_reported():
-    bad = [[[Action("B", 0), Action("F", 0)]]]
+    bad = [[[Action(0, "B", 0), Action(0, "F", 0)]]]
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate(bad, [1])
 
@@ -108,5 +114,5 @@ def test_receives_are_posted_one_forward_ahead_and_never_further(name):
 def test_receives_ahead_of_a_short_schedule():
     from pipedream_ft.pipeline.schedule import receives_ahead
 
-    acts = [Action("F", 0), Action("F", 1), Action("B", 0), Action("U", 0), Action("F", 2), Action("B", 1)]
+    acts = [parse_action(a) for a in "0F0 0F1 0B0 0U0 0F2 0B1".split()]
     assert receives_ahead(acts) == [[0, 1], [1, 2], [2], [2], [2], []]

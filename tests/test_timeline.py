@@ -63,7 +63,7 @@ def write_attempt(directory: Path, clock: FakeClock, *, stages: int, start: int,
                 continue
             begin, end = t0 + step * tick, t0 + (step + 0.8) * tick
             key = "round" if action.kind == "U" else "minibatch"
-            recs[rank].complete(str(action), CATS[action.kind], begin, end, replica=0, **{key: action.index})
+            recs[rank].complete(f"{action.kind}{action.index}", CATS[action.kind], begin, end, replica=0, **{key: action.index})
             if action.kind == "U" and checkpoint_every and (action.index + 1) % checkpoint_every == 0:
                 recs[rank].complete("checkpoint", "checkpoint", end, end + 0.6 * tick, cut=action.index + 1,
                                     snapshot_s=1e-4)
@@ -95,7 +95,7 @@ def check_schedule(trace: dict[str, Any], *, stages: int, start: int, stop: int,
     first: dict[tuple[str, int, int], dict[str, Any]] = {}  # (kind, minibatch, stage) -> event
     for s in range(stages):
         got = events_of(trace, s, attempt, ("forward", "backward", "update"))
-        assert [e["name"] for e in got] == [str(a) for a in one_f_one_b(s, 0, replicas, start, stop)], f"rank {s}"
+        assert [e["name"] for e in got] == [f"{a.kind}{a.index}" for a in one_f_one_b(s, 0, replicas, start, stop)], f"rank {s}"
         for e in got:
             assert e["args"]["stage"] == s and e["args"]["attempt"] == attempt
             if e["cat"] != "update":

@@ -36,6 +36,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_leaves
 
 from ..errors import PipelineSetupError
+from ..schedules.actions import Action, Kind
 from .comm import Header, Messenger, RecvHandle, TensorSpec
 from .connection import Connection
 from .crossing import Structure, outgoing
@@ -258,6 +259,28 @@ class Executor:
         self.preflight_done = True
 
     # -- actions ------------------------------------------------------------------------------------------
+
+    def run(self, action: Action, data: Feed) -> None:
+        """Run one compute or update action of this stage (see the module docstring); an action of another stage,
+        or a communication action (sends and receives are implied by ``F``/``B``/``I`` here), is refused with
+        :class:`PipelineSetupError` naming it."""
+        if action.stage != self.topo.stage:
+            raise PipelineSetupError(f"action {action} is for stage {action.stage}, but rank {self.topo.rank} "
+                                     f"runs stage {self.topo.stage}")
+        kind = action.kind
+        if kind == Kind.F:
+            self.forward(action.index, data)
+        elif kind == Kind.B:
+            self.backward(action.index)
+        elif kind == Kind.I:
+            self.backward_input(action.index)
+        elif kind == Kind.W:
+            self.backward_weight(action.index)
+        elif kind == Kind.U:
+            self.update(action.index)
+        else:
+            raise PipelineSetupError(f"action {action}: the executor runs F, B, I, W and U; the sends and receives "
+                                     "of a stage are implied by its compute actions")
 
     def post_activation_recv(self, b: int) -> None:
         """Post the receive of minibatch ``b``'s activations (ahead of its forward)."""

@@ -1,8 +1,9 @@
 """The 1F1B schedule as pure data.
 
-An :class:`Action` is ``F`` (forward), ``B`` (backward) or ``U`` (weight update: gradient all-reduce among a
-stage's replicas, then the optimizer step) of one minibatch (for ``U``: of one update round). A schedule is
-the list of actions one rank runs. Communication is implied: ``F b`` on stage ``s > 0`` receives from the
+An action is :class:`pipedream_ft.schedules.Action`: a stage, a kind — ``F`` (forward), ``B`` (backward), ``I`` /
+``W`` (the backward split) or ``U`` (weight update: gradient all-reduce among a stage's replicas, then the
+optimizer step) — and a minibatch (for ``U``: an update round), printed ``2F5``. A schedule is the list of
+actions one rank runs; the executor runs each (:meth:`~pipedream_ft.pipeline.executor.Executor.run`). Communication is implied: ``F b`` on stage ``s > 0`` receives from the
 replica of stage ``s - 1`` that ran ``F b``; ``B b`` receives the gradient from stage ``s + 1``.
 
 Minibatches are dealt round-robin to a stage's replicas: replica ``r`` of a stage with ``R`` replicas runs the
@@ -21,7 +22,9 @@ collective ``U`` steps, and raises :class:`ScheduleError` on a deadlock; :func:`
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import Sequence
+
+from ..schedules.actions import Action, Kind
 
 __all__ = [
     "Action",
@@ -41,19 +44,6 @@ __all__ = [
 
 class ScheduleError(RuntimeError):
     """A set of schedules cannot run to completion."""
-
-
-class Action(NamedTuple):
-    kind: str
-    """``"F"``, ``"B"``, ``"I"`` / ``"W"`` (the backward split: input gradient, then weight gradient) or
-    ``"U"``."""
-    index: int
-    """Minibatch number (``F``/``B``/``I``/``W``) or update round (``U``)."""
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.index}"
-
-    __repr__ = __str__
 
 
 def in_flight(stage: int, replicas: Sequence[int]) -> int:
@@ -80,12 +70,12 @@ def one_f_one_b(stage: int, replica: int, replicas: Sequence[int], start: int, s
     mine = replica_minibatches(replica, replicas[stage], start, stop)
     k = min(in_flight(stage, replicas), len(mine))
     first_round = start // replicas[stage]
-    actions = [Action("F", b) for b in mine[:k]]
+    actions = [Action(stage, Kind.F, b) for b in mine[:k]]
     for i, b in enumerate(mine):
-        actions.append(Action("B", b))
-        actions.append(Action("U", first_round + i))
+        actions.append(Action(stage, Kind.B, b))
+        actions.append(Action(stage, Kind.U, first_round + i))
         if i + k < len(mine):
-            actions.append(Action("F", mine[i + k]))
+            actions.append(Action(stage, Kind.F, mine[i + k]))
     return actions
 
 
@@ -103,12 +93,12 @@ def flushing(stage: int, replica: int, replicas: Sequence[int], start: int, stop
     for w in range(start // window, stop // window):
         mine = replica_minibatches(replica, replicas[stage], w * window, (w + 1) * window)
         k = min(in_flight(stage, replicas), len(mine))
-        actions += [Action("F", b) for b in mine[:k]]
+        actions += [Action(stage, Kind.F, b) for b in mine[:k]]
         for i, b in enumerate(mine):
-            actions.append(Action("B", b))
+            actions.append(Action(stage, Kind.B, b))
             if i + k < len(mine):
-                actions.append(Action("F", mine[i + k]))
-        actions.append(Action("U", w))
+                actions.append(Action(stage, Kind.F, mine[i + k]))
+        actions.append(Action(stage, Kind.U, w))
     return actions
 
 
@@ -138,8 +128,8 @@ def synchronous(name: str, stage: int, replica: int, replicas: Sequence[int], st
     order = catalog.build(name, len(replicas), window).schedule[stage]
     actions: list[Action] = []
     for w in range(start // window, stop // window):
-        actions += [Action(a.kind.value, w * window + a.index) for a in order]
-        actions.append(Action("U", w))
+        actions += [Action(stage, a.kind, w * window + a.index) for a in order]
+        actions.append(Action(stage, Kind.U, w))
     return actions
 
 
@@ -157,13 +147,13 @@ def double_buffered(stage: int, replica: int, replicas: Sequence[int], start: in
         raise ValueError(f"window {window} must be a multiple of every stage's replica count (lcm {lcm})")
     mine = replica_minibatches(replica, replicas[stage], start, stop)
     k = min(in_flight(stage, replicas), len(mine))
-    actions = [Action("F", b) for b in mine[:k]]
+    actions = [Action(stage, Kind.F, b) for b in mine[:k]]
     for i, b in enumerate(mine):
-        actions.append(Action("B", b))
+        actions.append(Action(stage, Kind.B, b))
         if (b + replicas[stage]) // window != b // window:  # this replica's last of the window
-            actions.append(Action("U", b // window))
+            actions.append(Action(stage, Kind.U, b // window))
         if i + k < len(mine):
-            actions.append(Action("F", mine[i + k]))
+            actions.append(Action(stage, Kind.F, mine[i + k]))
     return actions
 
 

@@ -1,0 +1,56 @@
+"""The executor's entry point for one action: what it refuses before touching any state."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pipedream_ft.errors import PipelineSetupError
+from pipedream_ft.pipeline.executor import Executor
+from pipedream_ft.pipeline.hooks import Hooks
+from pipedream_ft.schedules import parse_action
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Recorder:
+    """Stands in for the executor's action methods: records what :meth:`Executor.run` dispatched."""
+
+    def __init__(self, ex: Executor) -> None:
+        self.calls: list[str] = []
+        ex.forward = lambda b, data: self.calls.append(f"F{b}:{data}")  # type: ignore[method-assign]
+        ex.backward = lambda b: self.calls.append(f"B{b}")  # type: ignore[method-assign]
+        ex.backward_input = lambda b: self.calls.append(f"I{b}")  # type: ignore[method-assign]
+        ex.backward_weight = lambda b: self.calls.append(f"W{b}")  # type: ignore[method-assign]
+        ex.update = lambda j: self.calls.append(f"U{j}")  # type: ignore[method-assign]
+
+
+def _executor(stage: int) -> Executor:
+    topo = SimpleNamespace(stage=stage, rank=5)
+    return Executor(topo, SimpleNamespace(), SimpleNamespace(), connection=SimpleNamespace(),  # type: ignore[arg-type]
+                    device=torch.device("cpu"), loss_fn=lambda o, t: o, seed=0, hooks=Hooks())
+
+
+def test_run_dispatches_each_kind_of_its_own_stage() -> None:
+    ex = _executor(2)
+    rec = _Recorder(ex)
+    for text in "2F0 2F1 2B0 2I1 2W1 2U0".split():
+        ex.run(parse_action(text), "feed")  # type: ignore[arg-type]
+    assert rec.calls == ["F0:feed", "F1:feed", "B0", "I1", "W1", "U0"]
+
+
+def test_an_action_of_another_stage_is_refused_with_its_name() -> None:
+    ex = _executor(2)
+    rec = _Recorder(ex)
+    with pytest.raises(PipelineSetupError, match="action 1F3 is for stage 1, but rank 5 runs stage 2"):
+        ex.run(parse_action("1F3"), None)  # type: ignore[arg-type]
+    assert rec.calls == []
+
+
+@pytest.mark.parametrize("text", ["2SEND_F0", "2RECV_B1"])
+def test_a_communication_action_is_refused(text: str) -> None:
+    ex = _executor(2)
+    with pytest.raises(PipelineSetupError, match=f"action {text}: the executor runs F, B, I, W and U"):
+        ex.run(parse_action(text), None)  # type: ignore[arg-type]
