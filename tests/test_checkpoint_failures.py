@@ -39,7 +39,7 @@ def writer(storage: Storage, name: str = "a", parts: list[str] | None = None, **
 
 def test_full_disk(tmp_path, caplog) -> None:
     st = Storage(str(tmp_path / "ckpt"), retry=FAST)
-    real = st._write_local
+    real = st.files.write
     full = [False]
 
     def write(rel: str, data, durable: bool = True) -> None:
@@ -47,7 +47,7 @@ def test_full_disk(tmp_path, caplog) -> None:
             raise OSError(errno.ENOSPC, "No space left on device", rel)
         real(rel, data, durable)
 
-    st._write_local = write  # type: ignore[method-assign]
+    st.files.write = write  # type: ignore[method-assign]
     w = writer(st, commit_timeout_s=0.3)
     w.save(1, {"x": torch.ones(1000)})
     assert w.flush(10) and w.last_committed == 1
@@ -165,7 +165,7 @@ def test_credentials_expire_mid_run(s3_with_identities: SeaweedS3, caplog) -> No
 
 def test_storage_that_refuses_for_good_is_not_retried_and_leaves_no_half_written_step(tmp_path, caplog) -> None:
     st = Storage(str(tmp_path / "ckpt"), retry=RetryConfig(attempts=4, delay_s=0.01, max_delay_s=0.02))
-    real = st._write_local
+    real = st.files.write
     calls: list[str] = []
 
     def write(rel: str, data, durable: bool = True) -> None:
@@ -174,7 +174,7 @@ def test_storage_that_refuses_for_good_is_not_retried_and_leaves_no_half_written
             raise OSError(errno.EFBIG, "File too large", rel)
         real(rel, data, durable)
 
-    st._write_local = write  # type: ignore[method-assign]
+    st.files.write = write  # type: ignore[method-assign]
     wa, wb = writer(st, "a", ["a", "b"], commit_timeout_s=30), writer(st, "b", ["a", "b"], commit_timeout_s=30)
     with caplog.at_level(logging.DEBUG, logger="pipedream_ft.checkpoint"):
         hb = wb.save(1, {"x": torch.ones(10)})

@@ -116,15 +116,15 @@ def test_unwritable_directory_permissions(tmp_path, monkeypatch) -> None:
 
 def test_transient_errors_are_retried_with_warnings(tmp_path, caplog) -> None:
     st = Storage(str(tmp_path), retry=RetryConfig(attempts=4, delay_s=0.001, max_delay_s=0.002))
-    real = st._write_local
+    real = st.files.write
     failures = [ConnectionError("endpoint flaked"), TimeoutError("slow")]
 
-    def flaky(rel: str, data: bytes) -> None:
+    def flaky(rel: str, data: bytes, durable: bool) -> None:
         if failures:
             raise failures.pop(0)
-        real(rel, data)
+        real(rel, data, durable)
 
-    st._write_local = flaky  # type: ignore[method-assign]
+    st.files.write = flaky  # type: ignore[method-assign]
     with caplog.at_level(logging.DEBUG, logger="pipedream_ft.checkpoint.storage"):
         st.write_bytes("x.bin", b"ok")
     assert st.read_bytes("x.bin") == b"ok"
@@ -146,11 +146,11 @@ def test_retries_exhausted_raise_storage_error(tmp_path) -> None:
     st = Storage(str(tmp_path), retry=RetryConfig(attempts=2, delay_s=0.001))
     calls = []
 
-    def down(rel: str, data: bytes) -> None:
+    def down(rel: str, data: bytes, durable: bool) -> None:
         calls.append(rel)
         raise ConnectionError("connection refused")
 
-    st._write_local = down  # type: ignore[method-assign]
+    st.files.write = down  # type: ignore[method-assign]
     with pytest.raises(StorageError, match="after 2 tries"):
         st.write_bytes("x.bin", b"")
     assert len(calls) == 2
@@ -160,11 +160,11 @@ def test_permanent_errors_are_not_retried(tmp_path) -> None:
     st = Storage(str(tmp_path), retry=RetryConfig(attempts=5, delay_s=0.001))
     calls = []
 
-    def denied(rel: str, data: bytes) -> None:
+    def denied(rel: str, data: bytes, durable: bool) -> None:
         calls.append(rel)
         raise PermissionError(13, "Permission denied", rel)
 
-    st._write_local = denied  # type: ignore[method-assign]
+    st.files.write = denied  # type: ignore[method-assign]
     with pytest.raises(StorageError, match="Permission denied"):
         st.write_bytes("x.bin", b"")
     assert len(calls) == 1
@@ -251,3 +251,31 @@ def test_local_files_and_directories_are_never_world_writable(tmp_path) -> None:
         for name in dirs + files:
             mode = os.stat(os.path.join(root, name)).st_mode
             assert not mode & 0o002, f"{os.path.join(root, name)} is world-writable ({oct(mode & 0o777)})"
+
+
+def test_each_url_gets_one_backend_class(tmp_path) -> None:
+    from pipedream_ft.checkpoint.fsspec_files import FsspecFiles
+    from pipedream_ft.checkpoint.local_files import LocalFiles
+
+    for url in (str(tmp_path / "a"), f"file://{tmp_path}/b", "relative/dir"):
+        st = Storage(url)
+        assert isinstance(st.files, LocalFiles) and st.is_local and st.exact_create and st.protocol == "file"
+        assert os.path.isabs(st.files.root)
+    for url, protocol in (("s3://bucket/prefix", "s3"), (f"memory://pdft-{uuid.uuid4().hex}", "memory")):
+        st = Storage(url)
+        assert isinstance(st.files, FsspecFiles) and not st.is_local and not st.exact_create
+        assert st.protocol == protocol and st.direct_io is False
+
+
+def test_a_file_system_that_cannot_be_opened_is_said_once_and_not_retried(tmp_path) -> None:
+    calls: list[int] = []
+    st = Storage("nosuchprotocol-pdft://x/y", retry=RetryConfig(attempts=3, delay_s=0.001))
+
+    def failing_open(exc: BaseException) -> Exception:
+        calls.append(1)
+        return StorageError(f"cannot open checkpoint storage {st.url}: {st.describe_error(exc)}")
+
+    st.files._open_failed = failing_open  # type: ignore[union-attr]
+    with pytest.raises(StorageError, match="cannot open checkpoint storage nosuchprotocol-pdft://x/y"):
+        st.write_bytes("x.bin", b"1")
+    assert calls == [1]

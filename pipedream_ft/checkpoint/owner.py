@@ -168,7 +168,7 @@ class Owner:
                 mine = self._mine()
                 if not self.storage.create_exclusive(OWNER_FILE, mine.to_json()):
                     continue  # another job created it first: judge its record
-                if not self.storage.is_local:
+                if not self.storage.exact_create:
                     self._confirm(mine)
                 self.token = mine.token
                 return "claimed"

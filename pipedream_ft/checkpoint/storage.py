@@ -1,14 +1,10 @@
-"""A thin, retrying storage layer for checkpoints: local directories, ``memory://``, ``s3://`` and any fsspec URL.
+"""A thin, retrying storage layer for checkpoints: local directories, ``s3://`` and any fsspec URL.
 
-Paths given to :class:`Storage` methods are relative to the root URL and use ``/`` as separator.
-
-* Local paths (a plain path or ``file://...``) are written atomically and durably: a temporary file in the
-  same directory is written, flushed and fsynced, renamed over the target, and the directory is fsynced.
-  Large parts given as :class:`Buffers` are written with ``O_DIRECT`` (:mod:`.directio`) where the file system
-  allows it.
-* Object stores (``s3://bucket/prefix`` through s3fs, ...) get a single put per object, which is atomic.
-
-``fsspec`` (and s3fs) are imported lazily, on the first operation on a non-local URL.
+Paths given to :class:`Storage` methods are relative to the root URL and use ``/`` as separator. Where the bytes
+go is one of two classes: :class:`~.local_files.LocalFiles` (a plain path or ``file://...``: atomic, durable
+writes, ``O_DIRECT`` for large parts) or :class:`~.fsspec_files.FsspecFiles` (``s3://bucket/prefix`` through
+s3fs, ...: a single put per object, which is atomic). :class:`Storage` adds what every backend shares: argument
+checks, the fault-injection seam, retries and redaction.
 
 Transient errors (connection refused, timeouts, 5xx, ...) are retried with exponential backoff, logging a
 warning per retry. Permanent errors (missing file, permission denied, missing credentials, ...) are not
@@ -24,16 +20,15 @@ import errno
 import logging
 import os
 import re
-import shutil
-import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, TypeVar, Union
 
-from ..atomic import replace_atomically, write_all
-from . import directio
+from .buffers import Buffers
 from .format import CheckpointError
+from .fsspec_files import FsspecFiles
+from .local_files import TMP_MARKER, LocalFiles
 
 __all__ = ["Buffers", "RetryConfig", "Storage", "StorageError"]
 
@@ -41,7 +36,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_TMP_MARKER = ".tmp-"
 _PROBE_PREFIX = ".probe-"
 _SECRET_KEY_RE = re.compile(r"(secret|password|passwd|token|key|credential|auth|signature)", re.IGNORECASE)
 _SECRET_ENV = (
@@ -86,25 +80,8 @@ _PERMANENT_NAMES = {
     "ProfileNotFound",
     "ConfigNotFound",
 }
-_DIRECT_MIN_BYTES = 1 << 20
-_BUCKET_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "oss"}
-_S3_DEFAULT_CONFIG = {"connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 2}}
+Files = Union[LocalFiles, FsspecFiles]
 
-
-
-def _make_dirs(directory: str) -> None:
-    """``os.makedirs`` with every created level 0755 before the umask (``makedirs`` gives only the leaf its
-    mode): checkpoint directories honour the umask but are never writable by others, even under umask 000."""
-    if os.path.isdir(directory):
-        return
-    parent = os.path.dirname(directory)
-    if parent and parent != directory:
-        _make_dirs(parent)
-    try:
-        os.mkdir(directory, 0o755)
-    except FileExistsError:
-        if not os.path.isdir(directory):
-            raise
 
 
 class StorageError(CheckpointError):
@@ -117,45 +94,6 @@ class StorageError(CheckpointError):
         self.refused: bool = refused
         """Storage refuses writes for good: a full disk or quota, a file-size limit, a read-only file system,
         permission denied (``EFBIG``, ``ENOSPC``, ``EDQUOT``, ``EROFS``, ``EACCES``, ``EPERM``)."""
-
-
-_PER_PROCESS_PROTOCOLS = {"memory"}
-"""fsspec protocols whose data lives inside each process (see :meth:`Storage.per_process`)."""
-
-
-class Buffers:
-    """The bytes of a file as a sequence of buffers (memoryviews of tensors, headers), written without being
-    joined. ``len()`` is the total size; slicing (``b[i:j]``) returns ``bytes`` (a copy of that range)."""
-
-    __slots__ = ("chunks", "_size")
-
-    def __init__(self, chunks: Any) -> None:
-        self.chunks: list[memoryview] = [memoryview(c).cast("B") for c in chunks]
-        self._size = sum(len(c) for c in self.chunks)
-
-    def __len__(self) -> int:
-        return self._size
-
-    def __iter__(self) -> Any:
-        return iter(self.chunks)
-
-    def __getitem__(self, index: slice) -> bytes:
-        if not isinstance(index, slice):
-            raise TypeError(f"Buffers supports slices only, got {type(index).__name__}")
-        start, stop, stride = index.indices(self._size)
-        if stride != 1:
-            raise ValueError(f"Buffers supports contiguous slices only, got step {stride}")
-        out, pos = bytearray(), 0
-        for c in self.chunks:
-            lo, hi = max(start - pos, 0), min(stop - pos, len(c))
-            if lo < hi:
-                out += c[lo:hi]
-            pos += len(c)
-        return bytes(out)
-
-    def join(self) -> bytes:
-        """All the bytes in one object (a copy)."""
-        return b"".join(self.chunks)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -203,7 +141,7 @@ class Storage:
     """Checkpoint storage rooted at ``url``.
 
     Args:
-        url: a local path, ``file://path``, ``memory://name``, ``s3://bucket/prefix`` or any fsspec URL.
+        url: a local path, ``file://path``, ``s3://bucket/prefix`` or any fsspec URL.
         storage_options: passed to the fsspec filesystem (for s3fs e.g.
             ``{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}, "key": ..., "secret": ...}``).
             Credentials otherwise come from the standard AWS environment/config. For ``s3://`` URLs, short
@@ -213,6 +151,8 @@ class Storage:
         direct_io: on local disk, write large parts (:class:`Buffers` of 1 MiB or more) with ``O_DIRECT``
             (:mod:`.directio`: a fraction of the CPU time of a write through the page cache); turned off by itself
             where the file system refuses it.
+        before_write: a declared seam, called as ``before_write(storage, rel, data)`` before each
+            :meth:`write_bytes` (fault injection crashes a rank mid-write there).
     """
 
     def __init__(
@@ -232,12 +172,10 @@ class Storage:
         if storage_options is not None and not isinstance(storage_options, Mapping):
             raise TypeError(f"storage_options must be a mapping, got {type(storage_options).__name__}")
         self._before_write = before_write
-        """A declared seam: called as ``before_write(storage, rel, data)`` before each :meth:`write_bytes`
-        (fault injection crashes a rank mid-write there)."""
         self._raw_url = url
-        self._options: dict[str, Any] = dict(storage_options or {})
         self._retry = retry if retry is not None else RetryConfig()
-        self._secrets = _collect_secrets(self._options)
+        options = dict(storage_options or {})
+        self._secrets = _collect_secrets(options)
         for name in _SECRET_ENV:
             val = os.environ.get(name)
             if val and len(val) >= 3:
@@ -248,15 +186,14 @@ class Storage:
             self._secrets.add(m.group(1))
         self.url: str = self.redact(url)
         """The root URL, with any credentials removed (safe to log)."""
-        self._local_root: str | None = None
+        self.files: Files
+        """Where the bytes go: a local directory or an fsspec file system (one class each)."""
         if _is_local_url(url):
             path = url[len("file://") :] if url.startswith("file://") else url
-            self._local_root = os.path.abspath(os.path.expanduser(path))
-        self.direct_io: bool = bool(direct_io)
-        """Whether large local writes use O_DIRECT (set to False when the file system refuses it)."""
-        self._fs: Any = None
-        self._root = ""
-        self._fs_lock = threading.Lock()
+            self.files = LocalFiles(os.path.abspath(os.path.expanduser(path)), direct_io=direct_io, name=self.url)
+        else:
+            self.files = FsspecFiles(url, options, open_failed=lambda exc: StorageError(
+                f"cannot open checkpoint storage {self.url}: {self.describe_error(exc)}"))
         self._failing_since: float | None = None
         """``time.monotonic()`` of the first retried failure since the last success (``None`` when healthy)."""
 
@@ -265,30 +202,28 @@ class Storage:
     @property
     def is_local(self) -> bool:
         """Whether the root is a local directory."""
-        return self._local_root is not None
+        return isinstance(self.files, LocalFiles)
+
+    @property
+    def exact_create(self) -> bool:
+        """Whether :meth:`create_exclusive` is exact (of two racing creators, one gets ``True``)."""
+        return self.files.exact_create
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether large local writes use O_DIRECT (False once the file system refused it, and off local disk)."""
+        return self.files.direct_io
 
     @property
     def protocol(self) -> str:
         """The URL's protocol (``"file"`` for a local directory)."""
-        return "file" if self.is_local else self._raw_url.split("://", 1)[0].split("::", 1)[0]
+        return self.files.protocol if isinstance(self.files, FsspecFiles) else "file"
 
     def per_process(self) -> bool:
         """Whether this storage keeps its data inside each process (fsspec's ``memory://``, or any filesystem
         class derived from its ``MemoryFileSystem``): the ranks of a job would each see only their own writes,
         so no checkpoint could ever commit, and nothing would outlive the job."""
-        if self.is_local:
-            return False
-        if self.protocol in _PER_PROCESS_PROTOCOLS:
-            return True
-        try:
-            from fsspec.implementations.memory import MemoryFileSystem
-        except ImportError:  # pragma: no cover - fsspec is a dependency
-            return False
-        try:
-            fs, _ = self._filesystem()
-        except StorageError:
-            return False
-        return isinstance(fs, MemoryFileSystem)
+        return self.files.per_process()
 
     @property
     def retry(self) -> RetryConfig:
@@ -307,40 +242,6 @@ class Storage:
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
-
-    def _filesystem(self) -> tuple[Any, str]:
-        if self._fs is None:
-            with self._fs_lock:
-                if self._fs is None:
-                    import fsspec.core  # lazy: only needed for non-local URLs
-
-                    options = dict(self._options)
-                    protocol = self._raw_url.split("://", 1)[0]
-                    if protocol in ("s3", "s3a"):
-                        config = dict(_S3_DEFAULT_CONFIG)
-                        if _botocore_knows("request_checksum_calculation"):
-                            # parts carry their own checksum; botocore's extra CRC of every body is CPU for nothing
-                            config["request_checksum_calculation"] = "when_required"
-                        config.update(options.get("config_kwargs") or {})
-                        options["config_kwargs"] = config
-                    try:
-                        fs, root = fsspec.core.url_to_fs(self._raw_url, **options)
-                    except Exception as exc:
-                        raise StorageError(
-                            f"cannot open checkpoint storage {self.url}: {self.describe_error(exc)}"
-                        ) from None
-                    self._root = root.rstrip("/")
-                    self._fs = fs
-        return self._fs, self._root
-
-    def _local(self, rel: str) -> str:
-        assert self._local_root is not None
-        return os.path.join(self._local_root, *[p for p in rel.split("/") if p])
-
-    def _remote(self, rel: str) -> str:
-        fs, root = self._filesystem()
-        rel = rel.strip("/")
-        return f"{root}/{rel}" if rel else root
 
     @staticmethod
     def _check_rel(rel: str) -> str:
@@ -371,6 +272,8 @@ class Storage:
                 result = fn()
             except FileNotFoundError:
                 self._healthy()
+                raise
+            except StorageError:  # the file system cannot be opened at all: already said, retrying cannot help
                 raise
             except Exception as exc:
                 transient = self._is_transient(exc)
@@ -420,71 +323,8 @@ class Storage:
             raise TypeError(f"data must be bytes, got {type(data).__name__}")
         if self._before_write is not None:
             self._before_write(self, rel, data)
-        if self.is_local:
-            if not isinstance(data, Buffers):
-                data = bytes(data)  # the caller may change a bytearray while we retry
-            self._call("write", rel, lambda: self._write_local(rel, data))
-        else:
-            body = data.join() if isinstance(data, Buffers) else bytes(data)
-            path = self._remote(rel)
-
-            def put() -> None:
-                fs, _ = self._filesystem()
-                fs.pipe_file(path, body)
-                fs.invalidate_cache(path)
-
-            self._call("write", rel, put)
-
-    def _write_local(self, rel: str, data: bytes | Buffers, durable: bool = True) -> None:
-        path = self._local(rel)
-        directory = os.path.dirname(path)
-        created = not os.path.isdir(directory)
-        _make_dirs(directory)
-        tmp = os.path.join(directory, f".{os.path.basename(path)}{_TMP_MARKER}{uuid.uuid4().hex[:12]}")
-
-        def write(tmp: str) -> None:
-            if self._write_file_direct(tmp, data, durable):
-                return
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                write_all(fd, data.chunks if isinstance(data, Buffers) else (data,))
-                if durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-
-        replace_atomically(path, write, tmp=tmp)
-        if durable:
-            _fsync_dir(directory)
-            if created:
-                _fsync_dir(os.path.dirname(directory))
-
-    def _write_file_direct(self, tmp: str, data: bytes | Buffers, durable: bool) -> bool:
-        """Write ``tmp`` with O_DIRECT if it pays (large :class:`Buffers`, durable) and the file system allows it;
-        returns False (nothing left behind) where it does not, so the caller writes it buffered."""
-        if not (self.direct_io and durable and isinstance(data, Buffers) and len(data) >= _DIRECT_MIN_BYTES):
-            return False
-        try:
-            fd = directio.open_direct(tmp)
-        except directio.DirectIOUnsupported:
-            self.direct_io = False
-            logger.info("checkpoint storage %s: O_DIRECT refused by the file system; writing through the page "
-                        "cache", self.url)
-            return False
-        try:
-            directio.write_direct(fd, data.chunks)
-            os.fsync(fd)
-        except directio.DirectIOUnsupported:
-            self.direct_io = False
-            logger.info("checkpoint storage %s: O_DIRECT write refused; writing through the page cache", self.url)
-            os.close(fd)
-            os.unlink(tmp)
-            return False
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
-        return True
+        body = data if isinstance(data, Buffers) else bytes(data)  # the caller may change a bytearray while we retry
+        self._call("write", rel, lambda: self.files.write(rel, body, True))
 
     def write_bytes_unsynced(self, rel: str, data: bytes) -> None:
         """Like :meth:`write_bytes` (atomic) but, on local disk, without fsync: for small records whose loss in
@@ -495,193 +335,57 @@ class Storage:
         if not self.is_local:
             self.write_bytes(rel, data)
             return
-        data = bytes(data)
-        self._call("write", rel, lambda: self._write_local(rel, data, durable=False))
+        body = bytes(data)
+        self._call("write", rel, lambda: self.files.write(rel, body, False))
 
     def create_exclusive(self, rel: str, data: bytes) -> bool:
         """Create ``rel`` with ``data`` unless it exists; returns whether this call created it.
 
-        On local disk this is exact (the complete file is hard-linked into place, which fails if the name
-        exists). Object stores have no portable create-if-absent: there it is a check then a put, so two
-        writers racing within a request's time may both get ``True`` (callers read the object back later to
-        find out who won)."""
+        Exact where :attr:`exact_create` (local disk). Object stores have no portable create-if-absent: there it
+        is a check then a put, so two writers racing within a request's time may both get ``True`` (callers
+        read the object back later to find out who won)."""
         self._check_rel(rel)
-        data = bytes(data)
-        if not self.is_local:
+        body = bytes(data)
+        if not self.exact_create:
             if self.exists(rel):
                 return False
-            self.write_bytes(rel, data)
+            self.write_bytes(rel, body)
             return True
-
-        def create_local() -> bool:
-            path = self._local(rel)
-            directory = os.path.dirname(path)
-            _make_dirs(directory)
-            tmp = os.path.join(directory, f".{os.path.basename(path)}{_TMP_MARKER}{uuid.uuid4().hex[:12]}")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                try:
-                    os.write(fd, data)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                try:
-                    os.link(tmp, path)
-                except FileExistsError:
-                    return False
-            finally:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-            _fsync_dir(directory)
-            return True
-
-        return self._call("create", rel, create_local)
+        return self._call("create", rel, lambda: self.files.create(rel, body))
 
     def read_bytes(self, rel: str) -> bytes:
         """The content of ``rel``; ``FileNotFoundError`` if it does not exist."""
         self._check_rel(rel)
-        if self.is_local:
-            path = self._local(rel)
-
-            def read_local() -> bytes:
-                with open(path, "rb") as f:
-                    return f.read()
-
-            return self._call("read", rel, read_local)
-        path = self._remote(rel)
-        return self._call("read", rel, lambda: self._filesystem()[0].cat_file(path))
+        return self._call("read", rel, lambda: self.files.read(rel))
 
     def read_buffer(self, rel: str) -> bytearray:
         """The content of ``rel`` in a new, writable ``bytearray`` (read in place on local disk, so tensors can
         view it without another copy); ``FileNotFoundError`` if it does not exist."""
         self._check_rel(rel)
-        if self.is_local:
-            path = self._local(rel)
-
-            def read_local() -> bytearray:
-                with open(path, "rb", buffering=0) as f:
-                    size = os.fstat(f.fileno()).st_size
-                    buf = bytearray(size)
-                    view, got = memoryview(buf), 0
-                    while got < size:
-                        n = f.readinto(view[got:])
-                        if not n:
-                            break
-                        got += n
-                    return buf if got == size else buf[:got]
-
-            return self._call("read", rel, read_local)
-        return bytearray(self.read_bytes(rel))
+        return self._call("read", rel, lambda: self.files.read_buffer(rel))
 
     def size(self, rel: str) -> int | None:
         """Size in bytes of the object ``rel``, or ``None`` if it does not exist."""
         self._check_rel(rel)
-        if self.is_local:
-            path = self._local(rel)
-
-            def size_local() -> int | None:
-                try:
-                    return os.stat(path).st_size
-                except FileNotFoundError:
-                    return None
-
-            return self._call("size", rel, size_local)
-        path = self._remote(rel)
-
-        def size_remote() -> int | None:
-            fs, _ = self._filesystem()
-            fs.invalidate_cache(path)
-            try:
-                return int(fs.info(path)["size"])
-            except FileNotFoundError:
-                return None
-
-        return self._call("size", rel, size_remote)
+        return self._call("size", rel, lambda: self.files.size(rel))
 
     def exists(self, rel: str) -> bool:
         """Whether the object (or directory) ``rel`` exists."""
         self._check_rel(rel)
-        if self.is_local:
-            path = self._local(rel)
-            return self._call("exists", rel, lambda: os.path.exists(path))
-        path = self._remote(rel)
-
-        def remote_exists() -> bool:
-            fs, _ = self._filesystem()
-            fs.invalidate_cache(path)
-            return bool(fs.exists(path))
-
-        return self._call("exists", rel, remote_exists)
+        return self._call("exists", rel, lambda: self.files.exists(rel))
 
     def list(self, prefix: str = "") -> list[str]:
         """Sorted names directly under ``prefix`` (files and directories); ``[]`` if it does not exist."""
         self._check_rel(prefix)
-        if self.is_local:
-            path = self._local(prefix)
-
-            def list_local() -> list[str]:
-                try:
-                    return os.listdir(path)
-                except (FileNotFoundError, NotADirectoryError):
-                    return []
-
-            names = self._call("list", prefix, list_local)
-        else:
-            path = self._remote(prefix)
-
-            def list_remote() -> list[str]:
-                fs, _ = self._filesystem()
-                fs.invalidate_cache(path)
-                try:
-                    entries = fs.ls(path, detail=False)
-                except (FileNotFoundError, NotADirectoryError):
-                    return []
-                base = path.rstrip("/")
-                out = []
-                for e in entries:
-                    e = e.rstrip("/")
-                    if e == base:
-                        continue
-                    out.append(e.rsplit("/", 1)[-1])
-                return out
-
-            names = self._call("list", prefix, list_remote)
-        return sorted({n for n in names if n and _TMP_MARKER not in n and not n.startswith(_PROBE_PREFIX)})
+        names = self._call("list", prefix, lambda: self.files.list(prefix))
+        return sorted({n for n in names if n and TMP_MARKER not in n and not n.startswith(_PROBE_PREFIX)})
 
     def delete(self, rel: str, *, recursive: bool = False) -> None:
         """Delete ``rel`` (a directory only with ``recursive=True``); deleting a missing path is not an error."""
         self._check_rel(rel)
         if not rel.strip("/"):
             raise ValueError("refusing to delete the storage root")
-        if self.is_local:
-            path = self._local(rel)
-
-            def delete_local() -> None:
-                try:
-                    if os.path.isdir(path) and not os.path.islink(path):
-                        if not recursive:
-                            raise IsADirectoryError(errno.EISDIR, "is a directory (use recursive=True)", rel)
-                        shutil.rmtree(path)
-                    else:
-                        os.unlink(path)
-                except FileNotFoundError:
-                    pass
-
-            self._call("delete", rel, delete_local)
-            return
-        path = self._remote(rel)
-
-        def delete_remote() -> None:
-            fs, _ = self._filesystem()
-            try:
-                fs.rm(path, recursive=recursive)
-            except FileNotFoundError:
-                pass
-            fs.invalidate_cache(path)
-
-        self._call("delete", rel, delete_remote)
+        self._call("delete", rel, lambda: self.files.delete(rel, recursive))
 
     def check_writable(self) -> None:
         """Create, read back and delete a probe object under the root.
@@ -708,7 +412,7 @@ class Storage:
             text = text[len(prefix) :]
         low = text.lower()
         unreachable = "could not connect" in low or "connection" in low or "timeout" in low or "timed out" in low
-        if not self.is_local and not unreachable and self._container_missing():
+        if not unreachable and self.files.container_missing():
             low = "nosuchbucket " + low
         if "nocredentialserror" in low or "partialcredentialserror" in low or "unable to locate credentials" in low:
             hint = "no credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or storage_options)"
@@ -729,41 +433,3 @@ class Storage:
         else:
             hint = "storage error"
         return f"{hint} ({text})"
-
-    def _container_missing(self) -> bool:
-        """For object stores: whether the bucket (first component of the root) is known not to exist."""
-        if self._raw_url.split("://", 1)[0] not in _BUCKET_PROTOCOLS:
-            return False
-        try:
-            fs, root = self._filesystem()
-            bucket = root.strip("/").split("/", 1)[0]
-            if not bucket:
-                return False
-            fs.invalidate_cache(bucket)
-            fs.ls(bucket, detail=False)
-        except FileNotFoundError:
-            return True
-        except Exception:
-            return False
-        return False
-
-
-def _botocore_knows(option: str) -> bool:
-    try:
-        from botocore.config import Config
-    except ImportError:
-        return False
-    return option in getattr(Config, "OPTION_DEFAULTS", {})
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
