@@ -204,6 +204,12 @@ def train_single_process(args: argparse.Namespace, data: TextData, steps: int) -
     return model, losses, time.perf_counter() - t0
 
 
+def _schedule(value: str) -> str:
+    if value in SYNCHRONOUS or value.lower().endswith(".csv"):
+        return value
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(SYNCHRONOUS)} or a table's path (.csv), got {value!r}")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="train_gpt.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--plan", help="plan JSON written by pipedream-partition (not with --single-process)")
@@ -223,8 +229,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "asynchronous modes)")
     p.add_argument("--mode", choices=MODES, default="stash", help="weight stashing, vertical sync or flushing")
     p.add_argument("--flush-every", type=int, default=4, help="minibatches per optimizer step with --mode flush")
-    p.add_argument("--schedule", choices=SYNCHRONOUS, default="1f1b",
-                   help="the schedule inside a window with --mode flush (zb_h1: zero bubble; default 1f1b)")
+    p.add_argument("--schedule", type=_schedule, default="1f1b", metavar="|".join(SYNCHRONOUS) + "|TABLE.csv",
+                   help="the schedule inside a window with --mode flush (zb_h1: zero bubble; default 1f1b), or a "
+                   "table of one window, one row per rank (`python -m pipedream_ft.schedules NAME --csv T.csv` "
+                   "writes one); its window is --flush-every")
     p.add_argument("--update-every", type=int, default=None,
                    help="minibatches per optimizer step with --mode 2bw (default: the number of stages)")
     p.add_argument("--seed", type=int, default=0, help="seeds the initial weights, the split and the windows")

@@ -14,14 +14,24 @@ from .pipeline.executor import RankStats
 from .pipeline.modes import MODES
 from .pipeline.precision import LossScale, check_autocast
 from .pipeline.schedule import SYNCHRONOUS
+from .pipeline.window_schedule import ScheduleSpec, WindowSchedule, resolve_schedule
 
 __all__ = ["PipelineConfig", "TrainResult", "check_schedule"]
 
 
-def check_schedule(schedule: str, mode: str) -> None:
-    """Raise ValueError, naming what runs, unless ``mode`` runs ``schedule``."""
+def check_schedule(schedule: str | WindowSchedule, mode: str, flush_every: int | None = None) -> None:
+    """Raise ValueError, naming what runs, unless ``mode`` runs ``schedule`` (with ``flush_every`` minibatches
+    per window, for a schedule given as data)."""
     from .schedules import SCHEDULES
 
+    if isinstance(schedule, WindowSchedule):
+        if mode != "flush":
+            raise ValueError(f"the schedule {schedule} is synchronous (mode 'flush'); mode {mode!r} runs "
+                             "PipeDream's asynchronous 1F1B")
+        if flush_every is not None and flush_every != schedule.microbatches:
+            raise ValueError(f"the schedule {schedule} runs windows of {schedule.microbatches} minibatches; "
+                             f"flush_every is {flush_every} (make them equal)")
+        return
     if schedule == "pipedream":
         raise ValueError("schedule 'pipedream' is the asynchronous modes' (mode 'stash' or 'vertical'); mode "
                          f"'flush' runs {', '.join(SYNCHRONOUS)}")
@@ -43,10 +53,12 @@ class PipelineConfig:
     ``"2bw"`` (PipeDream-2BW, see :mod:`pipedream_ft.pipeline.modes`)."""
     flush_every: int = 4
     """Minibatches per optimizer step in ``"flush"`` mode."""
-    schedule: str = "1f1b"
+    schedule: ScheduleSpec = "1f1b"
     """The ``"flush"`` mode's schedule inside a window: ``"1f1b"``, ``"gpipe"`` or ``"zb_h1"`` (zero bubble:
-    the backward split in two, see :mod:`pipedream_ft.pipeline.splitbackward`); all give minibatch SGD. The
-    asynchronous modes run PipeDream's 1F1B."""
+    the backward split in two, see :mod:`pipedream_ft.pipeline.splitbackward`), or one given as data — a table's
+    path (``*.csv``) or a mapping rank -> actions, checked and held as a
+    :class:`~pipedream_ft.pipeline.window_schedule.WindowSchedule` whose window must be ``flush_every``. All give
+    minibatch SGD. The asynchronous modes run PipeDream's 1F1B."""
     update_every: int | None = None
     """Minibatches per optimizer step in ``"2bw"`` mode (default: the number of stages)."""
     compensation: Compensation | None = None
@@ -93,7 +105,8 @@ class PipelineConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.flush_every < 1:
             raise ValueError(f"flush_every must be >= 1, got {self.flush_every}")
-        check_schedule(self.schedule, self.mode)
+        self.schedule = resolve_schedule(self.schedule)
+        check_schedule(self.schedule, self.mode, self.flush_every)
         if self.update_every is not None and self.update_every < 1:
             raise ValueError(f"update_every must be >= 1, got {self.update_every}")
         check_compensation(self.compensation, self.mode)

@@ -113,3 +113,26 @@ def test_a_weight_gradient_before_its_input_gradient_deadlocks_in_the_simulator(
     bad = [[[Action(0, "F", 0), Action(0, "W", 0), Action(0, "I", 0), Action(0, "U", 0)]]]
     with pytest.raises(ScheduleError, match="0W0"):
         simulate(bad, [1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_schedule_given_as_a_table_is_minibatch_sgd_and_resumes_bitwise(tmp_path):
+    # a window's order no built-in runs: every forward, then whole backwards for even minibatches and split ones
+    # for odd, whose weight gradients wait for the end of the window
+    rows = [[f"{s}F{b}" for b in range(4)] + [f"{s}B{b}" if b % 2 == 0 else f"{s}I{b}" for b in range(4)]
+            + [f"{s}W1", f"{s}W3"] for s in range(4)]
+    table = tmp_path / "mixed.csv"
+    table.write_text("\n".join(",".join(r) for r in rows) + "\n")
+    base = {"stages": MLP4, "mode": "flush", "schedule": str(table), "flush_every": 4, "total": 16, "opt": "adam"}
+    straight = run_world(feature_case, 4, base)
+    want = minibatch_reference(MODELS["mlp"](), sequential_data(ToyData(600)), 16, 4, "adam")
+    for rank in range(4):
+        _close(straight[rank][1]["state"], want["state"], 1e-6)
+    assert straight[0][1]["losses"] == pytest.approx(want["losses"], abs=1e-6)
+    url = str(tmp_path / "ckpt")
+    run_world(feature_case, 4, {**base, "url": url, "every": 4, "stop_at": 8})
+    resumed = run_world(feature_case, 4, {**base, "url": url, "every": 4})[0][1]
+    assert resumed["resumed"] == 8
+    for k, v in straight[0][1]["state"].items():
+        assert torch.equal(resumed["state"][k], v), k

@@ -28,6 +28,7 @@ from partitioner.plan import PlanError
 from .schedule import SYNCHRONOUS, Action, double_buffered, in_flight, one_f_one_b, synchronous
 from .topology import Topology
 from .versions import Version, VersionStore
+from .window_schedule import ScheduleSpec, WindowSchedule, resolve_schedule
 
 __all__ = ["MODES", "Mode", "Stash", "Vertical", "Flush", "TwoBW", "make_mode"]
 
@@ -147,21 +148,31 @@ class Flush(Mode):
     asynchronous = False
     tied_updates_together = True
 
-    def __init__(self, flush_every: int, schedule: str = "1f1b") -> None:
+    def __init__(self, flush_every: int, schedule: ScheduleSpec = "1f1b") -> None:
         if flush_every < 1:
             raise ValueError(f"flush_every must be >= 1, got {flush_every}")
-        if schedule not in SYNCHRONOUS:
-            raise ValueError(f"schedule must be one of {SYNCHRONOUS}, got {schedule!r}")
+        order = resolve_schedule(schedule)
+        if isinstance(order, WindowSchedule):
+            if order.microbatches != flush_every:
+                raise ValueError(f"the schedule {order} runs windows of {order.microbatches} minibatches; "
+                                 f"flush_every is {flush_every}")
+        elif order not in SYNCHRONOUS:
+            raise ValueError(f"schedule must be one of {SYNCHRONOUS}, a table's path or a mapping, got {order!r}")
         self.flush_every = flush_every
-        self.order = schedule
-        """The schedule inside a window (see :data:`~pipedream_ft.pipeline.schedule.SYNCHRONOUS`)."""
+        self.order = order
+        """The schedule inside a window: a name of :data:`~pipedream_ft.pipeline.schedule.SYNCHRONOUS`, or one
+        given as data (:class:`~pipedream_ft.pipeline.window_schedule.WindowSchedule`)."""
 
     def check(self, topo: Topology) -> None:
         lcm = math.lcm(*topo.replicas)
         if self.flush_every % lcm:
             raise PlanError(f"flush_every {self.flush_every} must be a multiple of {lcm}, the least common "
                             f"multiple of the plan's replica counts {list(topo.replicas)}")
-        if self.order != "1f1b" and any(r != 1 for r in topo.replicas):
+        if isinstance(self.order, WindowSchedule):
+            why = self.order.check_plan(topo.replicas)
+            if why is not None:
+                raise PlanError(why)
+        elif self.order != "1f1b" and any(r != 1 for r in topo.replicas):
             raise PlanError(f"schedule {self.order!r} runs a straight pipeline; the plan replicates stages "
                             f"{[s for s, r in enumerate(topo.replicas) if r != 1]} (schedule '1f1b' runs it)")
 
@@ -170,6 +181,8 @@ class Flush(Mode):
         return {"mode": self.name, "flush_every": self.flush_every}
 
     def schedule(self, topo: Topology, start: int, stop: int) -> list[Action]:
+        if isinstance(self.order, WindowSchedule):
+            return self.order.actions(topo.stage, start, stop)
         return synchronous(self.order, topo.stage, topo.replica, topo.replicas, start, stop, self.flush_every)
 
     def window(self, topo: Topology) -> int:
@@ -284,7 +297,8 @@ class TwoBW(Mode):
         return f"2bw(every {self.every if self.every is not None else 'stage count'})"
 
 
-def make_mode(name: str, flush_every: int = 4, update_every: int | None = None, schedule: str = "1f1b") -> Mode:
+def make_mode(name: str, flush_every: int = 4, update_every: int | None = None,
+              schedule: ScheduleSpec = "1f1b") -> Mode:
     """The mode called ``name`` (one of :data:`MODES`); ``update_every`` is 2bw's update interval (default: the
     number of stages); ``schedule`` the flush mode's schedule inside a window."""
     if name == "stash":

@@ -1,0 +1,183 @@
+"""A synchronous schedule given as data: a table (CSV) or a Python mapping, checked once, run by ``flush`` mode.
+
+A :class:`WindowSchedule` holds what each rank runs in one window of ``M`` microbatches, one stage per rank
+(rank ``r`` runs stage ``r``), in :mod:`pipedream_ft.schedules`' spelling: ``2F5``, ``1I0``, ``0W3``, ``3B1``.
+The table's convention is torchtitan's: one row per rank, one action per cell, an empty cell an idle slot
+(``python -m pipedream_ft.schedules zb_h1 --ranks 4 --microbatches 8 --csv zb.csv`` writes one to start from).
+
+The runtime runs each row window after window (minibatch ``m`` of window ``w`` is minibatch ``w M + m``), then
+one update per window: minibatch SGD, whatever the order inside the window, so a run may resume under another
+schedule. Sends and receives in the table are allowed and skipped: the compute actions imply them (``F`` receives
+its input and sends its output, ``B``/``I`` receive and send the gradient). A ``U`` may only end a row.
+
+Checked when the schedule is made, each failure a :class:`ValueError` naming the rank, the action or the
+minibatch: ranks are ``0..S-1``; a rank runs only its own stage; every stage runs, for each minibatch
+``0..M-1``, one ``F`` and either one ``B`` or one ``I`` then one ``W``, after its ``F``; forwards run in minibatch
+order; and the whole table runs to the end (:func:`~pipedream_ft.pipeline.schedule.simulate` names the actions
+that would wait for ever). Whether it fits the plan (``S`` stages, none replicated) is checked against the plan
+(:meth:`WindowSchedule.check_plan`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Mapping, Sequence, Union
+
+from ..schedules.actions import COMMUNICATION, Action, Kind
+from ..schedules.tables import load_csv
+from .schedule import ScheduleError, simulate
+
+__all__ = ["WindowSchedule", "resolve_schedule"]
+
+_BACKWARD_KINDS = (Kind.B, Kind.I, Kind.W)
+
+
+@dataclass(frozen=True, slots=True)
+class WindowSchedule:
+    """One window's compute actions per stage (see the module docstring); build it with :meth:`of` or
+    :meth:`load`."""
+
+    orders: tuple[tuple[Action, ...], ...]
+    """``orders[s]``: stage ``s``'s compute actions in one window (minibatches ``0..M-1``)."""
+    microbatches: int
+    """``M``: minibatches per window (the ``flush_every`` it runs with)."""
+    source: str
+    """Where it came from: the table's path, or ``"python"``."""
+
+    @staticmethod
+    def of(schedule: Mapping[int, Sequence[Action | str | None]], source: str = "python") -> WindowSchedule:
+        """Check ``schedule`` (rank -> actions or their strings, ``None`` idle) and hold it."""
+        if not isinstance(schedule, Mapping) or not schedule:
+            raise ValueError(f"a schedule maps each rank to its actions, got {schedule!r:.80}")
+        ranks = sorted(schedule)
+        if ranks != list(range(len(ranks))):
+            raise ValueError(f"schedule {source}: ranks must be 0..S-1, got {ranks}")
+        orders: list[tuple[Action, ...]] = []
+        for rank in ranks:
+            row = [Action.parse(a) if isinstance(a, str) else a for a in schedule[rank] if a is not None]
+            orders.append(tuple(_row(source, rank, row)))
+        microbatches = _check_minibatches(source, orders)
+        try:
+            simulate([[list(order)] for order in orders], [1] * len(orders))
+        except ScheduleError as exc:
+            raise ValueError(f"schedule {source} cannot run to its end: {exc}") from None
+        return WindowSchedule(tuple(orders), microbatches, source)
+
+    @staticmethod
+    def load(path: str | os.PathLike[str]) -> WindowSchedule:
+        """Read and check the table at ``path``."""
+        try:
+            table = load_csv(path)
+        except OSError as exc:
+            raise ValueError(f"cannot read the schedule table {os.fspath(path)}: {exc.strerror or exc}") from None
+        return WindowSchedule.of(table, os.fspath(path))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.orders)
+
+    def actions(self, stage: int, start: int, stop: int) -> list[Action]:
+        """Stage ``stage``'s actions for minibatches ``[start, stop)`` (whole windows): each window's row, its
+        minibatches shifted into place, then the window's update."""
+        m = self.microbatches
+        if start % m or stop % m or not 0 <= start <= stop:
+            raise ValueError(f"minibatches [{start}, {stop}) are not whole windows of {m}")
+        out: list[Action] = []
+        for w in range(start // m, stop // m):
+            out += [Action(stage, a.kind, w * m + a.index) for a in self.orders[stage]]
+            out.append(Action(stage, Kind.U, w))
+        return out
+
+    def check_plan(self, replicas: Sequence[int]) -> str | None:
+        """Why a plan whose stages have ``replicas`` replicas cannot run this schedule (``None``: it can)."""
+        if len(replicas) != self.num_stages:
+            return (f"the schedule {self.source} has {self.num_stages} stages (one per rank), the plan "
+                    f"{len(replicas)}")
+        if any(r != 1 for r in replicas):
+            return (f"the schedule {self.source} runs a straight pipeline; the plan replicates stages "
+                    f"{[s for s, r in enumerate(replicas) if r != 1]} (schedule '1f1b' runs it)")
+        return None
+
+    def digest(self) -> str:
+        """A short hash of the actions (two tables that run alike have the same one)."""
+        text = ";".join(",".join(str(a) for a in order) for order in self.orders)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+    def __str__(self) -> str:
+        return self.source if self.source != "python" else f"python schedule {self.digest()}"
+
+
+def _row(source: str, rank: int, row: list[Action]) -> list[Action]:
+    """Rank ``rank``'s compute actions: its sends and receives skipped, a closing ``U`` dropped (the runtime
+    adds one per window), anything else refused."""
+    out: list[Action] = []
+    for i, a in enumerate(row):
+        if not isinstance(a, Action):
+            raise ValueError(f"schedule {source}, rank {rank}: {a!r} is not an action")
+        if a.stage != rank:
+            raise ValueError(f"schedule {source}: rank {rank} holds {a}, an action of stage {a.stage}; the runtime "
+                             f"runs one stage per rank (rank {rank} runs stage {rank}). Schedules of several stages "
+                             "per rank are simulated by `python -m pipedream_ft.schedules`")
+        if a.kind in COMMUNICATION:
+            continue
+        if a.kind == Kind.U:
+            if any(b.kind != Kind.U and b.kind not in COMMUNICATION for b in row[i + 1:]):
+                raise ValueError(f"schedule {source}, rank {rank}: {a} comes before the end of the window; mode "
+                                 "'flush' updates once, after the window's last backward")
+            continue
+        out.append(a)
+    return out
+
+
+def _check_minibatches(source: str, orders: list[tuple[Action, ...]]) -> int:
+    """``M``, after checking that every stage runs the same minibatches ``0..M-1`` completely and in order."""
+    forwards = [sorted(a.index for a in order if a.kind == Kind.F) for order in orders]
+    m = len(forwards[0])
+    if m == 0:
+        raise ValueError(f"schedule {source}: rank 0 runs no forward")
+    for stage, order in enumerate(orders):
+        if forwards[stage] != list(range(m)):
+            raise ValueError(f"schedule {source}: stage {stage} runs the forwards of minibatches "
+                             f"{forwards[stage]}, expected each of 0..{m - 1} once (as stage 0)")
+        ran = [a.index for a in order if a.kind == Kind.F]
+        if ran != sorted(ran):
+            raise ValueError(f"schedule {source}: stage {stage} runs its forwards in the order {ran}; forwards "
+                             "run in minibatch order")
+        seen: dict[int, list[Kind]] = {}
+        for a in order:
+            kinds = seen.setdefault(a.index, [])
+            if a.kind in _BACKWARD_KINDS and Kind.F not in kinds:
+                raise ValueError(f"schedule {source}: {a} comes before {stage}F{a.index}")
+            if a.kind == Kind.W and Kind.I not in kinds:
+                raise ValueError(f"schedule {source}: {a} comes before {stage}I{a.index} (the weight gradient "
+                                 "needs the input gradient's backward first)")
+            kinds.append(a.kind)
+        for b in range(m):
+            kinds = sorted(k.value for k in seen.get(b, []))
+            if kinds not in (["B", "F"], ["F", "I", "W"]):
+                got = ", ".join(f"{stage}{k}{b}" for k in kinds) or "nothing"
+                raise ValueError(f"schedule {source}: stage {stage} runs {got} for minibatch {b}; expected "
+                                 f"{stage}F{b} and either {stage}B{b} or {stage}I{b} then {stage}W{b}, once each")
+    return m
+
+
+ScheduleSpec = Union[str, "os.PathLike[str]", WindowSchedule, Mapping[int, Sequence[Union[Action, str, None]]]]
+"""What ``PipelineConfig.schedule`` takes: a built-in schedule's name, a table's path (``*.csv``), a
+:class:`WindowSchedule`, or a mapping rank -> actions."""
+
+
+def resolve_schedule(value: ScheduleSpec) -> str | WindowSchedule:
+    """A built-in schedule's name as is; a table's path (``*.csv``, or any ``os.PathLike``) or a mapping as the
+    checked :class:`WindowSchedule`."""
+    if isinstance(value, WindowSchedule):
+        return value
+    if isinstance(value, Mapping):
+        return WindowSchedule.of(value)
+    if isinstance(value, os.PathLike) or (isinstance(value, str) and value.lower().endswith(".csv")):
+        return WindowSchedule.load(value)
+    if isinstance(value, str):
+        return value
+    raise TypeError(f"schedule must be a name, a table's path (.csv) or a mapping rank -> actions, got "
+                    f"{type(value).__name__}")
