@@ -3,7 +3,7 @@
 Usage::
 
     pipedream-partition PROFILE --workers N [--workers N ...] --bandwidth B [--bandwidth B ...]
-                        [--straight] [--memory BYTES] [--schedule NAME|auto [--microbatches M]] -o plan.json
+                        [--straight] [--memory BYTES] [--schedule NAME|auto|T.csv [--microbatches M]] -o plan.json
     pipedream-partition PROFILE --machine probe.json [--workers N ...] [--straight] [--memory BYTES] -o plan.json
 
 Repeated ``--workers``/``--bandwidth`` give the levels of the machine innermost first (like PipeDream's
@@ -11,7 +11,9 @@ Repeated ``--workers``/``--bandwidth`` give the levels of the machine innermost 
 bandwidths and, unless ``--workers`` is given, the workers); the measured costs and the formulas are printed
 with the plan, and the plan records them. ``--schedule`` ranks the schedules the runtime runs for the plan by
 their simulated time per minibatch with ``M`` minibatches per step (default ``2 x`` stages) and the memory each
-holds (:mod:`partitioner.schedule_choice`); ``auto`` picks the fastest synchronous one that fits ``--memory``. The
+holds (:mod:`partitioner.schedule_choice`); ``auto`` picks the fastest synchronous one that fits ``--memory``;
+a table's path (``T.csv``, one window of a synchronous schedule, one row per worker) ranks that table beside them
+at its own number of minibatches and chooses it. The
 plan records the choice and the ranking under ``settings["schedule"]``. ``--virtual-stages V`` adds the
 schedules of ``V`` stages per worker (interleaved 1F1B, interleaved zero-bubble, looped BFS; ZBV and DualPipeV
 for ``V = 2``) to the ranking, planned on ``workers x V`` straight stages at the slowest ``--bandwidth``: on
@@ -64,9 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--machine", metavar="PROBE_JSON", help="machine profile written by pipedream-probe")
     ap.add_argument("--straight", action="store_true", help="no replication: one worker per stage")
     ap.add_argument("--memory", type=_MEMORY, default=None, help="memory per worker in bytes")
-    ap.add_argument("--schedule", metavar="NAME|auto", default=None,
-                    help=f"rank the schedules for the plan and pick NAME ({', '.join(RUNNABLE)}) or, with auto, the "
-                         "fastest synchronous one that fits --memory")
+    ap.add_argument("--schedule", metavar="NAME|auto|T.csv", default=None,
+                    help=f"rank the schedules for the plan and pick NAME ({', '.join(RUNNABLE)}), with auto the "
+                         "fastest synchronous one that fits --memory, or the table T.csv (one window, one row per "
+                         "worker), ranked beside them")
     ap.add_argument("--microbatches", type=_MICROBATCHES, default=None,
                     help="minibatches per optimizer step for --schedule (flush_every; default 2 x stages)")
     ap.add_argument("--weight-fraction", type=_FRACTION, default=None,
@@ -152,11 +155,27 @@ def _with_schedule(plan: Plan, profile: object, args: argparse.Namespace) -> tup
     if args.schedule in VIRTUAL:
         raise PlanError(f"schedule {args.schedule!r} gives each worker several stages, which the runtime does not run "
                         f"(it runs {', '.join(RUNNABLE)}); --schedule auto --virtual-stages V ranks it on paper")
-    if args.schedule != "auto" and args.schedule not in RUNNABLE:
-        raise PlanError(f"--schedule must be auto or one of {', '.join(RUNNABLE)}, got {args.schedule!r}")
+    tables = []
+    if args.schedule.lower().endswith(".csv"):
+        from pipedream_ft.schedules import WindowSchedule
+
+        try:
+            table = WindowSchedule.load(args.schedule)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
+        if args.microbatches is not None and args.microbatches != table.microbatches:
+            raise PlanError(f"the schedule {table} runs windows of {table.microbatches} minibatches; --microbatches "
+                            f"is {args.microbatches}")
+        if args.virtual_stages is not None:
+            raise PlanError("--virtual-stages ranks the schedules of several stages per worker beside --schedule "
+                            "auto, not beside a table")
+        tables, args.microbatches = [table], table.microbatches
+    elif args.schedule != "auto" and args.schedule not in RUNNABLE:
+        raise PlanError(f"--schedule must be auto, one of {', '.join(RUNNABLE)} or a table's path (.csv), got "
+                        f"{args.schedule!r}")
     m = args.microbatches or 2 * plan.num_stages
     ranking = rank_schedules(plan, profile, m, weight_fraction=args.weight_fraction,  # type: ignore[arg-type]
-                             memory_bytes=args.memory)
+                             memory_bytes=args.memory, tables=tables)
     if args.virtual_stages is not None:
         ranking = sorted(ranking + rank_virtual(profile, plan.world_size, m, min(args.bandwidth),  # type: ignore
                                                 stages_per_worker=args.virtual_stages,
@@ -165,7 +184,8 @@ def _with_schedule(plan: Plan, profile: object, args: argparse.Namespace) -> tup
     if args.schedule == "auto":
         chosen = choose(ranking)
     else:
-        chosen = next(r for r in ranking if r.name == args.schedule)
+        wanted = str(tables[0]) if tables else args.schedule
+        chosen = next(r for r in ranking if r.name == wanted)
         if not chosen.fits:
             raise PlanError(f"schedule {chosen.name} needs {chosen.peak_memory_bytes:.4g} bytes per worker, over "
                             f"--memory {args.memory:.4g}")

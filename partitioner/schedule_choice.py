@@ -16,7 +16,8 @@ activation bytes per minibatch (``A``); PipeDream's asynchronous 1F1B also stash
 minibatch in flight: ``(S - s) (P + A)``, the partitioner's own model. A schedule that does not fit
 ``memory_bytes`` on some stage is ranked but not chosen.
 
-Only straight plans (one worker per stage) run GPipe and ZB-H1; a replicated plan runs 1F1B (synchronous) or
+A schedule given as a table (:class:`pipedream_ft.schedules.WindowSchedule`) is ranked the same way, under its
+file's name. Only straight plans (one worker per stage) run GPipe, ZB-H1 and tables; a replicated plan runs 1F1B (synchronous) or
 PipeDream's asynchronous 1F1B, and only those are ranked for it.
 
 **Virtual stages** (:func:`rank_virtual`): the schedules that give each worker ``v`` stages — interleaved 1F1B,
@@ -105,8 +106,11 @@ def _stage_costs(plan: Plan, profile: Profile, weight_fraction: float | None) ->
 
 
 def rank_schedules(plan: Plan, profile: Profile, microbatches: int, *, weight_fraction: float | None = None,
-                   memory_bytes: float | None = None, names: Sequence[str] | None = None) -> list[Ranked]:
-    """The schedules the plan can run (or ``names``), fastest first (see the module docstring)."""
+                   memory_bytes: float | None = None, names: Sequence[str] | None = None,
+                   tables: Sequence[Any] = ()) -> list[Ranked]:
+    """The schedules the plan can run (or ``names``), fastest first (see the module docstring). ``tables``: schedules
+    given as data (:class:`pipedream_ft.schedules.WindowSchedule`, one window of ``microbatches``), ranked beside
+    them under their source's name."""
     from pipedream_ft.schedules import Costs, build, peak_in_flight, simulate
 
     if microbatches < 1:
@@ -127,6 +131,19 @@ def rank_schedules(plan: Plan, profile: Profile, microbatches: int, *, weight_fr
     costs = Costs(forward=f, input_backward=[max(0.0, x - w) for x, w in zip(b, sc.weight_backward)],
                   weight_backward=sc.weight_backward)
     out = []
+    for table in tables:
+        why = table.check_plan([st.replicas for st in plan.stages])
+        if why is not None:
+            raise PlanError(why)
+        if table.microbatches != microbatches:
+            raise PlanError(f"the schedule {table} runs windows of {table.microbatches} minibatches, not "
+                            f"{microbatches}")
+        schedule = {rank: list(order) for rank, order in enumerate(table.orders)}
+        timeline = simulate(schedule, costs)
+        peak = peak_in_flight(schedule)
+        memory = tuple(p[s] + peak.get(s, 0) * a[s] for s in range(stages))
+        out.append(Ranked(str(table), timeline.step_time / microbatches, timeline.bubble_fraction, memory,
+                          memory_bytes is None or max(memory) <= memory_bytes))
     for name in names:
         if name == "pipedream":  # asynchronous: no flush, the slowest stage sets the pace
             per = max((fs + bs) / s.replicas for fs, bs, s in zip(f, b, plan.stages))

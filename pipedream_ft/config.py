@@ -14,7 +14,7 @@ from .pipeline.executor import RankStats
 from .pipeline.modes import MODES
 from .pipeline.precision import LossScale, check_autocast
 from .pipeline.schedule import SYNCHRONOUS
-from .pipeline.window_schedule import ScheduleSpec, WindowSchedule, resolve_schedule
+from .schedules.window import ScheduleSpec, WindowSchedule, resolve_schedule
 
 __all__ = ["PipelineConfig", "TrainResult", "check_schedule"]
 
@@ -57,7 +57,7 @@ class PipelineConfig:
     """The ``"flush"`` mode's schedule inside a window: ``"1f1b"``, ``"gpipe"`` or ``"zb_h1"`` (zero bubble:
     the backward split in two, see :mod:`pipedream_ft.pipeline.splitbackward`), or one given as data — a table's
     path (``*.csv``) or a mapping rank -> actions, checked and held as a
-    :class:`~pipedream_ft.pipeline.window_schedule.WindowSchedule` whose window must be ``flush_every``. All give
+    :class:`~pipedream_ft.schedules.WindowSchedule` whose window must be ``flush_every``. All give
     minibatch SGD. The asynchronous modes run PipeDream's 1F1B."""
     update_every: int | None = None
     """Minibatches per optimizer step in ``"2bw"`` mode (default: the number of stages)."""

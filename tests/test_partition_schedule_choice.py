@@ -173,3 +173,40 @@ def test_the_command_line_ranks_virtual_stages_on_paper(tmp_path: Path, capsys):
     assert main([str(prof), "--workers", "4", "--bandwidth", "1e12", "--virtual-stages", "2", "-o",
                  str(out)]) == 2
     assert "--virtual-stages needs --schedule" in capsys.readouterr().err
+
+
+def test_a_table_is_ranked_beside_the_built_ins_and_chosen(tmp_path: Path, capsys):
+    from pipedream_ft.schedules import WindowSchedule, build, save_csv
+
+    profile = _profile()
+    plan = partition(profile, 4, 1e12, straight=True)
+    table = tmp_path / "zb.csv"
+    save_csv(build("zb_h1", 4, 8).schedule, table)
+    got = _by_name(rank_schedules(plan, profile, 8, tables=[WindowSchedule.load(table)]))
+    assert got[str(table)].time_per_minibatch_s == pytest.approx(got["zb_h1"].time_per_minibatch_s)  # it is ZB-H1
+    assert got[str(table)].memory_bytes == got["zb_h1"].memory_bytes
+    with pytest.raises(PlanError, match="runs windows of 8 minibatches, not 4"):
+        rank_schedules(plan, profile, 4, tables=[WindowSchedule.load(table)])
+    small = _profile(2, forward=1.0, backward=1.0)
+    replicated = partition(small, 4, 1e12)  # 2 layers on 4 workers
+    two = tmp_path / "two.csv"
+    save_csv(build("gpipe", len(replicated.stages), 8).schedule, two)
+    with pytest.raises(PlanError, match=r"runs a straight pipeline; the plan replicates stages \[0"):
+        rank_schedules(replicated, small, 8, tables=[WindowSchedule.load(two)])
+
+    prof, out = tmp_path / "prof.json", tmp_path / "plan.json"
+    profile.save(prof)
+    assert main([str(prof), "-n", "4", "-b", "1e12", "--straight", "--schedule", str(table), "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"train with PipelineConfig(mode='flush', schedule='{table}', flush_every=8)" in text
+    record = json.loads(out.read_text())["settings"]["schedule"]
+    assert record["name"] == str(table) and record["microbatches"] == 8
+    refusals = {
+        "runs windows of 8 minibatches; --microbatches is 4": ["-n", "4", "-b", "1e12", "--microbatches", "4"],
+        "has 4 stages (one per rank), the plan 8": ["-n", "4", "-n", "2", "-b", "1e12", "-b", "1e9"],
+    }
+    for error, args in refusals.items():
+        assert main([str(prof), *args, "--straight", "--schedule", str(table), "-o", str(tmp_path / "x.json")]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1 and error in err[0], err
+    assert not (tmp_path / "x.json").exists()

@@ -10,7 +10,7 @@ from partitioner.plan import PlanError
 from pipedream_ft import PipelineConfig
 from pipedream_ft.pipeline.modes import Flush, make_mode
 from pipedream_ft.pipeline.schedule import synchronous
-from pipedream_ft.pipeline.window_schedule import WindowSchedule, resolve_schedule
+from pipedream_ft.schedules.window import WindowSchedule, resolve_schedule
 from pipedream_ft.schedules import add_communication, build, parse_action, save_csv
 
 pytestmark = pytest.mark.timeout(60)
@@ -76,8 +76,18 @@ def test_a_table_that_would_wait_for_ever_names_the_stuck_actions():
     table = {0: ["0F0", "0F1", "0I1", "0B0", "0W1"], 1: ["1F0", "1F1", "1I1", "1B0", "1W1"]}
     WindowSchedule.of(table)  # backwards out of minibatch order run, as long as both stages agree
     table[0] = ["0F0", "0B0", "0F1", "0I1", "0W1"]  # 0B0 waits for 1B0, which comes after 1F1, which waits for 0F1
-    with pytest.raises(ValueError, match="cannot run to its end: deadlock after 2 steps: stage 0 replica 0 at "
-                                         "0B0, stage 1 replica 0 at 1F1"):
+    with pytest.raises(ValueError, match="cannot run to its end: deadlock: rank 0 at 0B0 waits for 1B0; rank 1 "
+                                         "at 1F1 waits for 0F1"):
+        WindowSchedule.of(table)
+
+
+def test_the_sends_and_receives_a_table_has_are_checked_too():
+    built = build("1f1b", 2, 2)
+    table = {r: [a for a in actions if a is not None]
+             for r, actions in add_communication(built.schedule, built.placement).items()}
+    WindowSchedule.of(table)
+    table[1] = [a for a in table[1] if str(a) != "1RECV_F1"]
+    with pytest.raises(ValueError, match="cannot run to its end: .*0SEND_F1"):
         WindowSchedule.of(table)
 
 

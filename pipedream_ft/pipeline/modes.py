@@ -28,7 +28,7 @@ from partitioner.plan import PlanError
 from .schedule import SYNCHRONOUS, Action, double_buffered, in_flight, one_f_one_b, synchronous
 from .topology import Topology
 from .versions import Version, VersionStore
-from .window_schedule import ScheduleSpec, WindowSchedule, resolve_schedule
+from ..schedules.window import ScheduleSpec, WindowSchedule, resolve_schedule
 
 __all__ = ["MODES", "Mode", "Stash", "Vertical", "Flush", "TwoBW", "make_mode"]
 
@@ -161,7 +161,7 @@ class Flush(Mode):
         self.flush_every = flush_every
         self.order = order
         """The schedule inside a window: a name of :data:`~pipedream_ft.pipeline.schedule.SYNCHRONOUS`, or one
-        given as data (:class:`~pipedream_ft.pipeline.window_schedule.WindowSchedule`)."""
+        given as data (:class:`~pipedream_ft.schedules.WindowSchedule`)."""
 
     def check(self, topo: Topology) -> None:
         lcm = math.lcm(*topo.replicas)

@@ -4,7 +4,8 @@ A schedule maps each rank to the actions it runs in order (:class:`Action`: stag
 ``2F5``). Generators return compute-only schedules; :func:`add_updates` and :func:`add_communication` add
 the updates and the sends/receives; :func:`simulate` checks a schedule and predicts its step time and each
 rank's idle time from per-stage costs; :func:`render` draws it as text, :func:`save_trace` as a trace that
-``pipedream-timeline`` draws.
+``pipedream-timeline`` draws; :class:`WindowSchedule` holds one window of a synchronous schedule given as a
+table or a mapping, checked, for the runtime's ``flush`` mode.
 """
 
 from .actions import Action, Kind, Schedule, compute_only, parse_action
@@ -22,6 +23,7 @@ from .tables import from_csv, load_csv, save_csv, to_csv
 from .trace import save_trace, to_trace
 from .updates import add_updates
 from .vshape import dualpipev, zbv
+from .window import WindowSchedule, resolve_schedule
 
 __all__ = [
     "Action", "Kind", "Schedule", "compute_only", "parse_action",
@@ -35,4 +37,5 @@ __all__ = [
     "simulate", "Span", "Timeline", "render", "peak_in_flight",
     "to_csv", "from_csv", "save_csv", "load_csv",
     "to_trace", "save_trace",
+    "WindowSchedule", "resolve_schedule",
 ]

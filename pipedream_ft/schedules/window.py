@@ -13,8 +13,8 @@ its input and sends its output, ``B``/``I`` receive and send the gradient). A ``
 Checked when the schedule is made, each failure a :class:`ValueError` naming the rank, the action or the
 minibatch: ranks are ``0..S-1``; a rank runs only its own stage; every stage runs, for each minibatch
 ``0..M-1``, one ``F`` and either one ``B`` or one ``I`` then one ``W``, after its ``F``; forwards run in minibatch
-order; and the whole table runs to the end (:func:`~pipedream_ft.pipeline.schedule.simulate` names the actions
-that would wait for ever). Whether it fits the plan (``S`` stages, none replicated) is checked against the plan
+order; and the whole table runs to the end (:func:`~pipedream_ft.schedules.simulate` names the actions
+that would wait for ever, and checks the table's sends and receives where it has them). Whether it fits the plan (``S`` stages, none replicated) is checked against the plan
 (:meth:`WindowSchedule.check_plan`).
 """
 
@@ -25,9 +25,11 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Sequence, Union
 
-from ..schedules.actions import COMMUNICATION, Action, Kind
-from ..schedules.tables import load_csv
-from .schedule import ScheduleError, simulate
+from .actions import COMMUNICATION, Action, Kind, parse_action
+from .costs import Costs
+from .errors import ScheduleError
+from .simulate import simulate
+from .tables import load_csv
 
 __all__ = ["WindowSchedule", "resolve_schedule"]
 
@@ -54,13 +56,16 @@ class WindowSchedule:
         ranks = sorted(schedule)
         if ranks != list(range(len(ranks))):
             raise ValueError(f"schedule {source}: ranks must be 0..S-1, got {ranks}")
-        orders: list[tuple[Action, ...]] = []
+        rows: dict[int, list[Action]] = {}
         for rank in ranks:
-            row = [Action.parse(a) if isinstance(a, str) else a for a in schedule[rank] if a is not None]
-            orders.append(tuple(_row(source, rank, row)))
+            try:
+                rows[rank] = [parse_action(a) if isinstance(a, str) else a for a in schedule[rank] if a is not None]
+            except ValueError as exc:
+                raise ValueError(f"schedule {source}, rank {rank}: {exc}") from None
+        orders = [tuple(_row(source, rank, rows[rank])) for rank in ranks]
         microbatches = _check_minibatches(source, orders)
-        try:
-            simulate([[list(order)] for order in orders], [1] * len(orders))
+        try:  # the table as given (its sends and receives too, where it has them), every action one tick
+            simulate(rows, Costs.uniform(len(ranks)))
         except ScheduleError as exc:
             raise ValueError(f"schedule {source} cannot run to its end: {exc}") from None
         return WindowSchedule(tuple(orders), microbatches, source)
