@@ -17,7 +17,10 @@ each). For each ``F/I/W`` case the same processes train it, schedule after sched
 
 - ``1f1b`` against ``Schedule1F1B``, ``gpipe`` against ``ScheduleGPipe``, ``zb_h1`` against
   ``ScheduleInterleavedZeroBubble`` given one stage per rank (torch 2.13 has no single-stage ZB-H1 class; its
-  interleaved zero-bubble class with one local stage builds exactly ZB-H1's order, checked here before the run).
+  interleaved zero-bubble class with one local stage builds exactly ZB-H1's order, checked here before the run);
+- ``table``, a schedule given as data: ZB-H1's order written as a CSV table (one row per rank), run by ours from
+  ``PipelineConfig(schedule="<table>.csv")`` and by torch's ``_PipelineScheduleRuntime`` from the same file
+  (``_load_csv``, torch's own CSV path, which adds the sends and receives).
 
 Per schedule and library: throughput (minibatches per second over whole steps: fill and drain included, as
 each step flushes), against the bound ``1 / (F + I + W)``; the bubble ``1 - busy / elapsed`` over all ranks
@@ -32,7 +35,7 @@ planned one layer per stage, and :func:`partitioner.schedule_choice.choose` pick
 ``pipedream-partition --schedule auto`` would; the pick is compared with the schedule of ours measured fastest.
 
 Targets (printed; ``MISSED`` beside one missed; the exit status is 0 either way): every schedule of ours at
-least 1.0x its peer's throughput; ZB-H1's measured bubble within 10 % (relative) of its simulated value;
+least 1.0x its peer's throughput; ZB-H1's measured bubble (and the table's) within 10 % (relative) of its simulated value;
 the simulator within 5 % of our measured step time; ``auto`` picks the measured-fastest schedule.
 """
 
@@ -42,6 +45,7 @@ import argparse
 import dataclasses
 import resource
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -54,8 +58,13 @@ from spawned import run_world  # noqa: E402
 
 __all__ = ["Case", "PEERS", "run_cases", "predict", "split_check", "main"]
 
-PEERS = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "zb_h1": "ScheduleInterleavedZeroBubble"}
-"""Our schedule -> the ``torch.distributed.pipelining`` class it is measured against."""
+PEERS = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "zb_h1": "ScheduleInterleavedZeroBubble",
+         "table": "_PipelineScheduleRuntime"}
+"""Our schedule -> the ``torch.distributed.pipelining`` class it is measured against. ``table``: ZB-H1's order
+written as a CSV table, run by ours from ``PipelineConfig(schedule="<table>.csv")`` and by torch's CSV-loading
+runtime class from the same file."""
+TABLE_ORDER = "zb_h1"
+"""The order the ``table`` row's CSV holds."""
 TARGET_PEER = 1.0
 """Our throughput over the peer's, per schedule, at least."""
 TARGET_ZB_BUBBLE = 0.10
@@ -83,6 +92,8 @@ class Case:
     timeout_s: float = 180.0
     timeline_dir: str | None = None
     """Trace two steps of each schedule of ours into ``<dir>/<schedule>/`` (after the measured runs)."""
+    table: str | None = None
+    """The CSV the ``table`` schedule loads (written by :func:`write_table`)."""
 
     @property
     def label(self) -> str:
@@ -112,7 +123,7 @@ def predict(case: Case, name: str, steps: int, costs: Any = None) -> tuple[float
     ``costs`` (default: the case's sleep times)."""
     from pipedream_ft.schedules import Action, build, simulate
 
-    built = build(name, case.stages, case.microbatches)
+    built = build(TABLE_ORDER if name == "table" else name, case.stages, case.microbatches)
     m = case.microbatches
     sched = {r: [Action(a.stage, a.kind, w * m + a.index) for w in range(steps) for a in acts]
              for r, acts in built.schedule.items()}
@@ -120,11 +131,23 @@ def predict(case: Case, name: str, steps: int, costs: Any = None) -> tuple[float
     return t.step_time / steps, t.bubble_fraction
 
 
+def write_table(stages: int, microbatches: int, directory: Path) -> str:
+    """Write the ``table`` schedule's CSV (:data:`TABLE_ORDER`, compute actions only) into ``directory``."""
+    from pipedream_ft.schedules import build, save_csv
+
+    path = directory / f"{TABLE_ORDER}-{stages}x{microbatches}.csv"
+    save_csv(build(TABLE_ORDER, stages, microbatches).schedule, path)
+    return str(path)
+
+
 def peer_matches(name: str, stages: int, microbatches: int) -> str:
     """Whether torch's peer class (one stage per rank) builds our schedule's order of compute actions."""
     from torch.distributed.pipelining import schedules as tps
 
     from pipedream_ft.schedules import build
+
+    if name == "table":
+        return f"both load the same CSV table ({TABLE_ORDER}'s order)"
 
     cls = getattr(tps, PEERS[name], None)
     if cls is None:
@@ -253,7 +276,8 @@ def _rank_case(case: Case) -> dict[str, Any]:
         torch.manual_seed(0)
         trainer = PipelineTrainer(split_sleep_model(S, F, I, W), plan, loss_fn=nn.functional.mse_loss,
                                   optimizer_factory=lambda p: torch.optim.SGD(p, lr=1e-4, momentum=0.9),
-                                  config=PipelineConfig(mode="flush", flush_every=m, schedule=name,
+                                  config=PipelineConfig(mode="flush", flush_every=m,
+                                                        schedule=case.table if name == "table" else name,
                                                         timeout_s=case.timeout_s, backend="gloo", progress=False,
                                                         summary=False))
         trainer.train(data, m)  # warm-up (and the pre-flight pass)
@@ -265,7 +289,10 @@ def _rank_case(case: Case) -> dict[str, Any]:
         cls = getattr(tps, PEERS[name], None)
         schedule = None
         if cls is not None:
-            schedule = cls([stage] if name == "zb_h1" else stage, n_microbatches=m, loss_fn=nn.functional.mse_loss)
+            schedule = cls([stage] if name in ("zb_h1", "table") else stage, n_microbatches=m,
+                           loss_fn=nn.functional.mse_loss)
+            if name == "table":
+                schedule._load_csv(case.table)  # compute actions; torch adds the sends and receives
         opt = torch.optim.SGD(layer.parameters(), lr=1e-4, momentum=0.9)
 
         def step(i: int) -> None:
@@ -297,7 +324,8 @@ def _rank_case(case: Case) -> dict[str, Any]:
         if case.timeline_dir is not None:
             traced = PipelineTrainer(split_sleep_model(S, F, I, W), plan, loss_fn=nn.functional.mse_loss,
                                      optimizer_factory=lambda p: torch.optim.SGD(p, lr=1e-4, momentum=0.9),
-                                     config=PipelineConfig(mode="flush", flush_every=m, schedule=name,
+                                     config=PipelineConfig(mode="flush", flush_every=m,
+                                                           schedule=case.table if name == "table" else name,
                                                            timeout_s=case.timeout_s, backend="gloo", progress=False,
                                                            summary=False,
                                                            trace_dir=str(Path(case.timeline_dir) / name)))
@@ -398,7 +426,7 @@ def _print_tables(cases: list[Case], results: list[list[dict[str, Any]]]) -> boo
                     sim_ok = abs(r - 1) <= TARGET_SIM
                     ok &= sim_ok
                     verdict.append(f"sim:{_mark(sim_ok)}")
-                    if name == "zb_h1":
+                    if name in ("zb_h1", "table"):
                         b_ok = abs(f["bubble"] - pred_bubble) <= TARGET_ZB_BUBBLE * pred_bubble
                         ok &= b_ok
                         verdict.append(f"bubble:{_mark(b_ok)}")
@@ -433,7 +461,7 @@ def auto_choice(case: Case) -> tuple[str, str]:
                             torch.randn(case.batch, case.width), warmup=1, repeats=3)
     plan = Plan.from_stages([[i] for i in range(case.stages)], [1] * case.stages,
                             profile_hash=profile.structure_hash(), layer_names=[l.name for l in profile.layers])
-    ranking = rank_schedules(plan, profile, case.microbatches, names=case.schedules)
+    ranking = rank_schedules(plan, profile, case.microbatches, names=[n for n in case.schedules if n != "table"])
     chosen = choose(ranking).name
     return chosen, format_ranking(ranking, chosen)
 
@@ -444,10 +472,12 @@ def _print_auto(cases: list[Case], results: list[list[dict[str, Any]]]) -> bool:
     print("--schedule auto (a profile measured by profile_model, one layer per stage) against the measured fastest "
           "of ours; target: the same")
     for case, res in zip(cases, results):
-        if len(case.schedules) < 2:
+        if len([n for n in case.schedules if n != "table"]) < 2:
             continue
         chosen, table = auto_choice(case)
-        rates = {name: f["rate"] for name in case.schedules if (f := _figures(case, res, name, "ours")) is not None}
+        # the table holds ZB-H1's order: auto is judged among the named schedules
+        rates = {name: f["rate"] for name in case.schedules
+                 if name != "table" and (f := _figures(case, res, name, "ours")) is not None}
         fastest = max(rates, key=rates.__getitem__)
         # a pick within the run-to-run noise of the fastest is as good as it
         close = rates[chosen] >= 0.98 * rates[fastest]
@@ -485,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
                         "0.7 s with --quick; at least 3)")
     p.add_argument("--repeats", type=int, default=None,
                    help="measured runs per schedule and library, the fastest counts (default 2; 1 with --quick)")
-    p.add_argument("--schedules", default="1f1b,gpipe,zb_h1", help="which of ours (default all three)")
+    p.add_argument("--schedules", default="1f1b,gpipe,zb_h1,table",
+                   help="which of ours (default all four; table: ZB-H1's order as a CSV table)")
     p.add_argument("--quick", action="store_true", help="short runs (under a minute)")
     p.add_argument("--timeout", type=float, default=None, help="seconds one case may take (default: from its length)")
     p.add_argument("--timelines", metavar="DIR", default=None,
@@ -515,6 +546,10 @@ def main(argv: list[str] | None = None) -> int:
         cases.append(dataclasses.replace(probe, steps=steps, repeats=repeats, schedules=schedules, timeout_s=timeout))
     if args.timelines is not None:
         cases[0] = dataclasses.replace(cases[0], timeline_dir=str(Path(args.timelines).resolve()))
+    tables = tempfile.TemporaryDirectory(prefix="bench-schedules-")
+    if "table" in schedules:
+        path = write_table(cases[0].stages, cases[0].microbatches, Path(tables.name))
+        cases = [dataclasses.replace(c, table=path) for c in cases]
 
     print("torch's peer of each schedule, one stage per rank (compute actions of 4 ranks, 8 microbatches):")
     for name in schedules:
@@ -536,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     ok &= _print_auto(cases, results)
     if args.timelines is not None:
         _draw_timelines(cases[0], Path(args.timelines))
+    tables.cleanup()
     print()
     print("all targets met" if ok else "some targets MISSED (exit status 0 all the same: the figures on a shared CPU "
                                       "machine are ratios, see benchmarks/README.md)")
