@@ -28,9 +28,8 @@ def check_schedule(schedule: str | WindowSchedule, mode: str, flush_every: int |
         if mode != "flush":
             raise ValueError(f"the schedule {schedule} is synchronous (mode 'flush'); mode {mode!r} runs "
                              "PipeDream's asynchronous 1F1B")
-        if flush_every is not None and flush_every != schedule.microbatches:
-            raise ValueError(f"the schedule {schedule} runs windows of {schedule.microbatches} minibatches; "
-                             f"flush_every is {flush_every} (make them equal)")
+        if flush_every is not None:
+            schedule.check_window(flush_every)
         return
     if schedule == "pipedream":
         raise ValueError("schedule 'pipedream' is the asynchronous modes' (mode 'stash' or 'vertical'); mode "

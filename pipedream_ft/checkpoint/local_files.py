@@ -30,6 +30,7 @@ _DIRECT_MIN_BYTES = 1 << 20
 class LocalFiles:
     """The files under the directory ``root`` (an absolute path)."""
 
+    protocol = "file"
     exact_create = True
     """:meth:`create` is exact: of two racing creators, one gets ``True``."""
 

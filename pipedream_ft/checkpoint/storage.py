@@ -217,7 +217,7 @@ class Storage:
     @property
     def protocol(self) -> str:
         """The URL's protocol (``"file"`` for a local directory)."""
-        return self.files.protocol if isinstance(self.files, FsspecFiles) else "file"
+        return self.files.protocol
 
     def per_process(self) -> bool:
         """Whether this storage keeps its data inside each process (fsspec's ``memory://``, or any filesystem

@@ -25,10 +25,10 @@ from typing import ClassVar
 
 from partitioner.plan import PlanError
 
+from ..schedules.window import ScheduleSpec, WindowSchedule, resolve_schedule
 from .schedule import SYNCHRONOUS, Action, double_buffered, in_flight, one_f_one_b, synchronous
 from .topology import Topology
 from .versions import Version, VersionStore
-from ..schedules.window import ScheduleSpec, WindowSchedule, resolve_schedule
 
 __all__ = ["MODES", "Mode", "Stash", "Vertical", "Flush", "TwoBW", "make_mode"]
 
@@ -153,9 +153,7 @@ class Flush(Mode):
             raise ValueError(f"flush_every must be >= 1, got {flush_every}")
         order = resolve_schedule(schedule)
         if isinstance(order, WindowSchedule):
-            if order.microbatches != flush_every:
-                raise ValueError(f"the schedule {order} runs windows of {order.microbatches} minibatches; "
-                                 f"flush_every is {flush_every}")
+            order.check_window(flush_every)
         elif order not in SYNCHRONOUS:
             raise ValueError(f"schedule must be one of {SYNCHRONOUS}, a table's path or a mapping, got {order!r}")
         self.flush_every = flush_every

@@ -95,6 +95,12 @@ class WindowSchedule:
             out.append(Action(stage, Kind.U, w))
         return out
 
+    def check_window(self, flush_every: int) -> None:
+        """Raise ValueError unless this schedule's window is ``flush_every`` minibatches."""
+        if flush_every != self.microbatches:
+            raise ValueError(f"the schedule {self} runs windows of {self.microbatches} minibatches; flush_every is "
+                             f"{flush_every} (make them equal)")
+
     def check_plan(self, replicas: Sequence[int]) -> str | None:
         """Why a plan whose stages have ``replicas`` replicas cannot run this schedule (``None``: it can)."""
         if len(replicas) != self.num_stages:
