@@ -41,6 +41,8 @@ def test_trace_drawn_by_pipedream_timeline(tmp_path, capsys):
     first = next(e for e in trace["traceEvents"] if e["ph"] == "X")
     assert first == {"name": "0F0", "cat": "forward", "ph": "X", "pid": 0, "tid": 0, "ts": 0, "dur": 20000,
                      "args": {"minibatch": 0, "stage": 0, "kind": "F"}}
+    cats = {e["args"]["kind"]: e["cat"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert cats == {"F": "forward", "I": "backward", "W": "weight"}  # drawn as a run's split backward is
     save_trace(timeline, tmp_path / "zbv.json", seconds_per_unit=0.01)
     summary = summarize(load_trace(tmp_path / "zbv.json"))
     assert summary.ranks == [0, 1] and summary.stages == [0, 1, 2, 3] and sorted(summary.minibatches) == [0, 1, 2, 3]

@@ -305,3 +305,19 @@ def test_real_run_follows_the_schedule(tmp_path: Path) -> None:
     assert png_size(out)[0] == 1600
     colours = png_colours(out)
     assert hex_rgb(FORWARD_COLOR) in colours and hex_rgb(BACKWARD_COLOR) in colours
+
+
+def test_a_rank_of_several_stages_draws_its_later_stages_hatched(tmp_path: Path) -> None:
+    from pipedream_ft.observe.plot import _first_stages
+    from pipedream_ft.schedules import Costs, build, save_trace, to_trace
+    from pipedream_ft.schedules import simulate as simulate_paper
+
+    sched, placement = build("zbv", 2, 4)
+    timeline_ = simulate_paper(sched, Costs.uniform(4), placement)
+    # ZBV on 2 ranks: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2; the later one of each is hatched
+    assert _first_stages(to_trace(timeline_)["traceEvents"]) == {0: 0, 1: 1}
+    straight = simulate_paper(build("1f1b", 2, 4).schedule, Costs.uniform(2))
+    assert _first_stages(to_trace(straight)["traceEvents"]) == {}  # one stage per rank: nothing hatched
+    save_trace(timeline_, tmp_path / "zbv.json")
+    assert main([str(tmp_path / "zbv.json"), "-o", str(tmp_path / "zbv.png")]) == 0
+    assert hex_rgb(FORWARD_COLOR) in png_colours(tmp_path / "zbv.png")

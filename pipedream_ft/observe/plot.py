@@ -105,6 +105,17 @@ def _timed(trace: dict[str, Any]) -> list[dict[str, Any]]:
             and isinstance(e.get("ts"), (int, float))]
 
 
+def _first_stages(events: list[dict[str, Any]]) -> dict[int, int]:
+    """For each rank whose compute events name several stages (virtual stages): the lowest of them."""
+    stages: dict[int, set[int]] = defaultdict(set)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("forward", "backward", "weight"):
+            pid, stage = _int(e.get("pid")), _int((e.get("args") or {}).get("stage"))
+            if pid is not None and stage is not None:
+                stages[pid].add(stage)
+    return {pid: min(s) for pid, s in stages.items() if len(s) > 1}
+
+
 def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -260,8 +271,12 @@ def draw_timeline(trace: dict[str, Any], path: str | os.PathLike[str], *, width_
     x0 = (first - t0) / 1e6  # where the drawn events begin, in seconds from the origin
     span = max((t1 - first) / 1e6, 1e-6)
 
-    # boxes[(rank, cat)] = [(x, w), ...] in seconds; texts for forward/backward minibatch labels
+    # a rank that runs several stages (virtual stages): its first stage's boxes plain, the later ones' hatched
+    first_stage = _first_stages(events)
+    # boxes[(rank, cat)] = [(x, w), ...] in seconds (later[...] for a rank's later stages); texts for the
+    # forward/backward minibatch labels
     boxes: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    later: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
     texts: list[tuple[float, float, int, str]] = []  # x, w, row, label
     for e in events:
         if e.get("ph") != "X" or (pid := _int(e.get("pid"))) not in row:
@@ -270,7 +285,9 @@ def draw_timeline(trace: dict[str, Any], path: str | os.PathLike[str], *, width_
         if cat not in ("forward", "backward", "weight", "update", "checkpoint", "wait"):
             continue
         x, w = (float(e["ts"]) - t0) / 1e6, float(e.get("dur") or 0.0) / 1e6
-        boxes[(pid, cat)].append((x, w))
+        stage = _int((e.get("args") or {}).get("stage"))
+        hatched = pid in first_stage and stage is not None and stage != first_stage[pid]
+        (later if hatched and cat in ("forward", "backward", "weight") else boxes)[(pid, cat)].append((x, w))
         if cat in ("forward", "backward", "weight"):
             b = _int((e.get("args") or {}).get("minibatch"))
             texts.append((x, w, row[pid], str(b) if b is not None else str(e.get("name", ""))))
@@ -297,7 +314,8 @@ def draw_timeline(trace: dict[str, Any], path: str | os.PathLike[str], *, width_
     px_per_s = axes_px / (span * 1.02)
     # rows whose boxes average under ~4 px: no white edges and no widened updates, which would drown them
     dense = {pid for pid in ranks
-             if 4 * sum(len(boxes.get((pid, c), ())) for c in ("forward", "backward", "weight", "update")) > axes_px}
+             if 4 * sum(len(boxes.get((pid, c), ())) + len(later.get((pid, c), ()))
+                        for c in ("forward", "backward", "weight", "update")) > axes_px}
     for (pid, cat), spans in boxes.items():
         kw = dict(style[cat])
         if cat in ("forward", "backward", "weight"):
@@ -307,6 +325,10 @@ def draw_timeline(trace: dict[str, Any], path: str | os.PathLike[str], *, width_
             spans = [(x, max(w, 2.0 / px_per_s)) for x, w in spans]
         y, h = bands[cat]
         ax.broken_barh(spans, (row[pid] + y, h), **kw)
+    for (pid, cat), spans in later.items():
+        y, h = bands[cat]
+        ax.broken_barh(spans, (row[pid] + y, h), **{**style[cat], "edgecolors": "white", "hatch": "///",
+                                                     "linewidth": 0 if pid in dense else 0.6})
 
     char_px = 0.62 * _LABEL_PT * _DPI / 72
     for x, w, r, text in texts:
@@ -333,12 +355,15 @@ def draw_timeline(trace: dict[str, Any], path: str | os.PathLike[str], *, width_
         ax.axhline(i, color="#bbbbbb", linewidth=0.5, zorder=0)
     if not ranks:
         ax.text(0.5, 0.5, "no events", transform=ax.transAxes, ha="center", va="center", color="#888888")
-    present = {cat for _, cat in boxes}
+    present = {cat for _, cat in boxes} | {cat for _, cat in later}
     handles = [Patch(facecolor=FORWARD_COLOR, label="forward (minibatch)"),
                Patch(facecolor=BACKWARD_COLOR, label="backward (minibatch)"),
                Patch(facecolor=UPDATE_COLOR, label="weight update")]
     if "weight" in present:
         handles.insert(2, Patch(facecolor=WEIGHT_COLOR, label="weight gradient (split backward)"))
+    if later:
+        handles.append(Patch(facecolor="#999999", edgecolor="white", hatch="///",
+                             label="hatched: a rank's later stage (virtual stages)"))
     if "checkpoint" in present:
         handles.append(Patch(facecolor=CHECKPOINT_COLOR, edgecolor="#8a4b0f", hatch="////", label="checkpoint"))
     if "wait" in present:

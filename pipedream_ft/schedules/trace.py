@@ -1,7 +1,8 @@
 """A simulated schedule as a trace file that ``pipedream-timeline`` draws, like a run's own trace.
 
 Events are Chrome/Perfetto complete events in the layout of :mod:`pipedream_ft.observe.timeline`: ``pid`` the
-rank, ``cat`` ``forward`` (``F``), ``backward`` (``B``, ``I`` and ``W``) or ``update`` (``U``), ``args``
+rank, ``cat`` ``forward`` (``F``), ``backward`` (``B`` and ``I``), ``weight`` (``W``, as a run's trace records a split
+backward's weight half) or ``update`` (``U``), ``args``
 minibatch (the update number for ``U``), stage and kind; sends and receives are left out.
 """
 
@@ -16,7 +17,7 @@ from .simulate import Timeline
 
 __all__ = ["to_trace", "save_trace"]
 
-_CATEGORY = {Kind.F: "forward", Kind.B: "backward", Kind.I: "backward", Kind.W: "backward", Kind.U: "update"}
+_CATEGORY = {Kind.F: "forward", Kind.B: "backward", Kind.I: "backward", Kind.W: "weight", Kind.U: "update"}
 
 
 def to_trace(timeline: Timeline, seconds_per_unit: float = 1e-3) -> dict[str, Any]:
