@@ -14,8 +14,8 @@ Checked when the schedule is made, each failure a :class:`ValueError` naming the
 minibatch: ranks are ``0..S-1``; a rank runs only its own stage; every stage runs, for each minibatch
 ``0..M-1``, one ``F`` and either one ``B`` or one ``I`` then one ``W``, after its ``F``; forwards run in minibatch
 order; and the whole table runs to the end (:func:`~pipedream_ft.schedules.simulate` names the actions
-that would wait for ever, and checks the table's sends and receives where it has them). Whether it fits the plan (``S`` stages, none replicated) is checked against the plan
-(:meth:`WindowSchedule.check_plan`).
+that would wait for ever, and checks the table's sends and receives where it has them). Whether it fits a plan
+(``S`` stages, none replicated) is checked against the plan (:meth:`WindowSchedule.check_plan`).
 """
 
 from __future__ import annotations
