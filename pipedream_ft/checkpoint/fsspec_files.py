@@ -29,8 +29,9 @@ class FsspecFiles:
     """
 
     exact_create = False
-    """Object stores have no portable create-if-absent: :meth:`create` is a check then a put, so two writers
-    racing within a request's time may both get ``True`` (callers read the object back to find who won)."""
+    """Object stores have no portable create-if-absent: :meth:`~.storage.Storage.create_exclusive` is a check then
+    a put there, so two writers racing within a request's time may both get ``True`` (callers read the object back
+    to find who won)."""
     direct_io = False
 
     def __init__(self, url: str, options: Mapping[str, Any], *,
@@ -92,12 +93,6 @@ class FsspecFiles:
         fs, path = self.filesystem()[0], self.path(rel)
         fs.pipe_file(path, body)
         fs.invalidate_cache(path)
-
-    def create(self, rel: str, data: bytes) -> bool:
-        if self.exists(rel):
-            return False
-        self.write(rel, data, True)
-        return True
 
     def read(self, rel: str) -> bytes:
         return self.filesystem()[0].cat_file(self.path(rel))
