@@ -80,13 +80,15 @@ class _Clock:
         return (time.perf_counter() - self._t0) * 1000.0
 
 
-def _fresh(value: Any) -> Any:
-    """A private copy of ``value``: floating tensors become non-leaf tensors requiring grad, cut from any graph."""
+def _fresh(value: Any, grad: bool = True) -> Any:
+    """A private copy of ``value``, cut from any graph: with ``grad``, floating tensors become non-leaf tensors
+    requiring grad (a layer's input from the layer before); without, none requires grad (the model's own input,
+    data, whose gradient training never computes)."""
 
     def one(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        if t.is_floating_point():
+        if grad and t.is_floating_point():
             # a clone of a leaf: in-place layers (ReLU(inplace=True)) are allowed on it
             return t.detach().requires_grad_(True).clone()
         return t.detach().clone()
@@ -176,11 +178,12 @@ def _float_leaves(value: Any) -> list[torch.Tensor]:
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
 
 
-def _split_backward(call: _Call, base: dict[Any, Any], clock: _Clock, params: Sequence[nn.Parameter]
-                    ) -> tuple[float, float]:
+def _split_backward(call: _Call, base: dict[Any, Any], clock: _Clock, params: Sequence[nn.Parameter],
+                    data: frozenset[Any] = frozenset()) -> tuple[float, float]:
     """One run of the backward split as zero-bubble schedules run it: the input gradient (``I``) first, keeping
-    the graph, then the weight gradient (``W``). Their times, milliseconds."""
-    env = {k: _fresh(v) for k, v in base.items()}
+    the graph, then the weight gradient (``W``). Their times, milliseconds. ``data``: the keys of ``base`` that
+    are the model's own inputs (no gradient)."""
+    env = {k: _fresh(v, k not in data) for k, v in base.items()}
     outs = _float_leaves(call(env))
     if not outs:
         return 0.0, 0.0
@@ -233,16 +236,18 @@ def call_overhead_ms(device: str | torch.device, warmup: int = 5, repeats: int =
 
 
 def _measure(call: _Call, base: dict[Any, Any], clock: _Clock, params: Sequence[nn.Parameter], warmup: int,
-             repeats: int, overhead: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float, float]:
+             repeats: int, overhead: tuple[float, float] = (0.0, 0.0), data: frozenset[Any] = frozenset()
+             ) -> tuple[float, float, float]:
     """Median forward and backward times of one layer, less the timer's ``overhead`` (:func:`call_overhead_ms`),
     and the share of the backward that computes the weight gradients (from a split run, see
-    :func:`_split_backward`)."""
+    :func:`_split_backward`). ``data``: the keys of ``base`` that are the model's own inputs: as in training,
+    no gradient is computed for them (a first layer's backward has no input gradient)."""
     forward: list[float] = []
     backward: list[float] = []
     split: list[tuple[float, float]] = []
     mine: Sequence[nn.Parameter] | None = None  # the parameters this layer's backward reaches, once known
     for run in range(warmup + repeats):
-        env = {k: _fresh(v) for k, v in base.items()}
+        env = {k: _fresh(v, k not in data) for k, v in base.items()}
         clock.start()
         out = call(env)
         fwd = clock.stop()
@@ -262,7 +267,7 @@ def _measure(call: _Call, base: dict[Any, Any], clock: _Clock, params: Sequence[
         if run >= warmup:
             forward.append(fwd)
             backward.append(bwd)
-            i_ms, w_ms = _split_backward(call, base, clock, mine) if bwd > 0 else (0.0, 0.0)
+            i_ms, w_ms = _split_backward(call, base, clock, mine, data) if bwd > 0 else (0.0, 0.0)
             split.append((max(i_ms - overhead[1], 0.0), max(w_ms - overhead[1], 0.0)))
     inputs, weights = sum(i for i, _ in split), sum(w for _, w in split)
     share = weights / (inputs + weights) if inputs + weights > 0 else 0.0
@@ -303,6 +308,7 @@ def profile_model(
         model.train()
         graph = layer_graph(model)
         keys_in, calls, keys_out, env = _layer_calls(model, graph, inputs)
+        data = frozenset(env)  # before the pass below adds the layers' outputs: the model's own inputs
         params = list(model.parameters())
         show = progress and sys.stderr.isatty()
         bar = tqdm(total=2 * len(calls), desc="profiling", unit="layer", disable=not show, leave=False)
@@ -329,7 +335,7 @@ def profile_model(
             overhead = call_overhead_ms(dev)
             for i, call in enumerate(calls):
                 base = {k: env[k] for k in keys_in[i]}
-                fwd, bwd, weight_share = _measure(call, base, clock, params, warmup, repeats, overhead)
+                fwd, bwd, weight_share = _measure(call, base, clock, params, warmup, repeats, overhead, data)
                 layers.append(
                     Layer(
                         name=graph.names[i],

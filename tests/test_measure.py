@@ -282,6 +282,35 @@ def test_the_backward_is_split_into_its_weight_and_input_gradients() -> None:
     assert Profile.from_json(json.loads(json.dumps(p.to_json()))) == p
 
 
+class _TwoInputs(nn.Module):
+    """An fx-traced model whose second input (a float mask, data) is read by a later layer too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * mask) * mask
+
+
+def test_the_models_own_float_inputs_are_measured_without_a_gradient() -> None:
+    """Training never computes the gradient of the data, so neither does the profile: a first layer's backward
+    is its weight gradient alone (a float input as much as token ids), and a first layer without weights has
+    none; in a traced model every input is data."""
+    x = torch.randn(64, 32)
+    p = profile_model(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), x, **FAST)
+    first, second = p.layers
+    assert first.weight_backward_ms == first.backward_ms > 0
+    assert 0 < second.weight_backward_ms < second.backward_ms
+
+    relu_first = profile_model(nn.Sequential(nn.ReLU(), nn.Linear(32, 32)), x, **FAST)
+    assert relu_first.layers[0].backward_ms == 0 and relu_first.layers[1].weight_backward_ms > 0
+
+    graph = profile_model(_TwoInputs(), (x, torch.rand(64, 32)), **FAST)
+    by_name = {layer.name: layer for layer in graph.layers}
+    assert by_name["a"].weight_backward_ms == by_name["a"].backward_ms > 0
+    assert 0 < by_name["b"].weight_backward_ms < by_name["b"].backward_ms
+
 def test_the_timers_own_cost_is_measured_on_a_gpu_and_taken_off_each_layer(monkeypatch) -> None:
     """On a GPU each timed call pays a synchronisation and autograd's device-thread hand-off that a training step
     pays once: the profile takes the measured cost off every layer's times and records it; on the CPU it is 0."""
