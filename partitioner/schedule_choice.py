@@ -37,7 +37,7 @@ from profiler.profile import Profile
 
 from .plan import Plan, PlanError
 
-__all__ = ["Ranked", "rank_schedules", "rank_virtual", "choose", "format_ranking", "RUNNABLE", "VIRTUAL",
+__all__ = ["Ranked", "schedule_costs", "rank_schedules", "rank_virtual", "choose", "format_ranking", "RUNNABLE", "VIRTUAL",
            "DEFAULT_WEIGHT_FRACTION"]
 
 RUNNABLE = ("1f1b", "gpipe", "zb_h1", "pipedream")
@@ -105,13 +105,29 @@ def _stage_costs(plan: Plan, profile: Profile, weight_fraction: float | None) ->
     return out
 
 
+def schedule_costs(plan: Plan, profile: Profile, weight_fraction: float | None = None) -> Any:
+    """The :class:`pipedream_ft.schedules.Costs` (seconds) the ranking simulates ``plan``'s stages with: ``F``
+    summed from the profile's layers, the backward split into ``I`` and ``W`` as measured (or by
+    ``weight_fraction``, see the module docstring)."""
+    if weight_fraction is not None and not 0.0 <= weight_fraction <= 1.0:
+        raise PlanError(f"weight_fraction must be in [0, 1], got {weight_fraction}")
+    return _costs(_stage_costs(plan, profile, weight_fraction))
+
+
+def _costs(sc: _StageCosts) -> Any:
+    from pipedream_ft.schedules import Costs
+
+    return Costs(forward=sc.forward, input_backward=[max(0.0, x - w) for x, w in zip(sc.backward, sc.weight_backward)],
+                 weight_backward=sc.weight_backward)
+
+
 def rank_schedules(plan: Plan, profile: Profile, microbatches: int, *, weight_fraction: float | None = None,
                    memory_bytes: float | None = None, names: Sequence[str] | None = None,
                    tables: Sequence[Any] = ()) -> list[Ranked]:
     """The schedules the plan can run (or ``names``), fastest first (see the module docstring). ``tables``: schedules
     given as data (:class:`pipedream_ft.schedules.WindowSchedule`, one window of ``microbatches``), ranked beside
     them under their source's name."""
-    from pipedream_ft.schedules import Costs, build, peak_in_flight, simulate
+    from pipedream_ft.schedules import build, peak_in_flight, simulate
 
     if microbatches < 1:
         raise PlanError(f"microbatches must be >= 1, got {microbatches}")
@@ -128,8 +144,7 @@ def rank_schedules(plan: Plan, profile: Profile, microbatches: int, *, weight_fr
     sc = _stage_costs(plan, profile, weight_fraction)
     f, b, p, a = sc.forward, sc.backward, sc.parameters, sc.activations
     stages = plan.num_stages
-    costs = Costs(forward=f, input_backward=[max(0.0, x - w) for x, w in zip(b, sc.weight_backward)],
-                  weight_backward=sc.weight_backward)
+    costs = _costs(sc)
     out = []
     for table in tables:
         why = table.check_plan([st.replicas for st in plan.stages])
@@ -166,7 +181,7 @@ def rank_virtual(profile: Profile, workers: int, microbatches: int, bandwidth: f
     (see the module docstring), fastest first. ZBV and DualPipeV need 2 stages per worker and are left out
     otherwise, DualPipeV also when ``microbatches`` is under its stage count; ``names`` picks among
     :data:`VIRTUAL`. Raises :class:`PlanError` for bad settings or a model with too few cut points."""
-    from pipedream_ft.schedules import Costs, build, simulate
+    from pipedream_ft.schedules import build, simulate
 
     from .optimizer import partition
 
@@ -185,8 +200,7 @@ def rank_virtual(profile: Profile, workers: int, microbatches: int, bandwidth: f
     except PlanError as exc:
         raise PlanError(f"{workers} workers x {stages_per_worker} stages: {exc}") from None
     sc = _stage_costs(plan, profile, weight_fraction)
-    costs = Costs(forward=sc.forward, input_backward=[max(0.0, x - w) for x, w in zip(sc.backward, sc.weight_backward)],
-                  weight_backward=sc.weight_backward)
+    costs = _costs(sc)
     out = []
     for name in chosen:
         if name in ("zbv", "dualpipev") and (stages_per_worker != 2 or (name == "dualpipev" and microbatches < stages)):

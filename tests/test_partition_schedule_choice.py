@@ -10,7 +10,7 @@ import pytest
 from partitioner import partition
 from partitioner.cli import main
 from partitioner.plan import PlanError
-from partitioner.schedule_choice import choose, rank_schedules
+from partitioner.schedule_choice import choose, rank_schedules, schedule_costs
 from profiler.profile import Layer, Profile
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,6 +48,26 @@ def test_balanced_stages_rank_as_the_textbook_formulas_say():
     ranking = rank_schedules(plan, profile, m)
     assert choose(ranking).name == "zb_h1"  # synchronous only, by default
     assert choose(ranking, synchronous=False).name == "pipedream"
+
+
+def test_the_costs_the_ranking_simulates_are_public_and_sum_each_stages_layers():
+    """``schedule_costs``: per stage, the layers' forwards and their backwards split into I and W (seconds), the
+    costs the ranking's simulation runs on."""
+    from pipedream_ft.schedules import build, simulate
+
+    measured = Profile(tuple(Layer(str(i), "Linear", 1.0, 2.0, A, P, weight_backward_ms=0.5 * (i % 2))
+                             for i in range(8)), _profile().edges)
+    plan = partition(measured, 4, 1e12, straight=True)
+    costs = schedule_costs(plan, measured)
+    assert costs.forward == pytest.approx([2e-3] * 4)
+    assert costs.weight_backward == pytest.approx([0.5e-3] * 4)
+    assert costs.input_backward == pytest.approx([3.5e-3] * 4)
+    assert schedule_costs(plan, measured, weight_fraction=0.25).weight_backward == pytest.approx([1e-3] * 4)
+    for name in ("1f1b", "zb_h1"):
+        step = simulate(build(name, 4, 8).schedule, costs).step_time
+        assert _by_name(rank_schedules(plan, measured, 8))[name].time_per_minibatch_s == pytest.approx(step / 8)
+    with pytest.raises(PlanError, match="weight_fraction must be in"):
+        schedule_costs(plan, measured, weight_fraction=1.5)
 
 
 def test_a_memory_limit_rules_schedules_out_and_none_fitting_names_the_least_needed():
