@@ -30,7 +30,9 @@ first stage has no input gradient: its ``I`` costs 0, in the model and in the pr
 measured / predicted, for three sets of costs: the nominal sleeps; the sleeps as slept; and the planner's, i.e.
 the sleep model as ``pipedream-profile``'s :func:`profiler.measure.profile_model` measures it in one process
 (forward, backward, and the backward's weight-gradient share; beside the sleeps, what autograd costs per action),
-summed per stage by :func:`partitioner.schedule_choice.schedule_costs` as ``pipedream-partition`` does.
+summed per stage by :func:`partitioner.schedule_choice.schedule_costs` as ``pipedream-partition`` does; and,
+unless ``--no-probe``, that with the machine as ``pipedream-probe`` measures it first on as many processes
+(``pipedream-partition --machine``: the runtime's fixed cost per action and the links' latency added).
 
 ``--schedule auto`` against the measurement: the same profile, planned one layer per stage, and
 :func:`partitioner.schedule_choice.choose` picks a schedule as ``pipedream-partition --schedule auto`` would; the
@@ -38,8 +40,8 @@ pick is compared with the schedule of ours measured fastest.
 
 Targets (printed; ``MISSED`` beside one missed; the exit status is 0 either way): every schedule of ours at
 least 1.0x its peer's throughput; ZB-H1's measured bubble (and the table's) within 10 % (relative) of its
-simulated value; the planner's prediction within 5 % of our measured step time; ``auto`` picks the
-measured-fastest schedule.
+simulated value; the planner's prediction (with the machine, when the probe ran) within 5 % of our measured
+step time; ``auto`` picks the measured-fastest schedule.
 """
 
 from __future__ import annotations
@@ -385,7 +387,7 @@ def _mark(ok: bool) -> str:
     return "ok" if ok else "MISSED"
 
 
-def _print_tables(cases: list[Case], results: list[list[dict[str, Any]]]) -> bool:
+def _print_tables(cases: list[Case], results: list[list[dict[str, Any]]], machine: Any = None) -> bool:
     ok = True
     print()
     print("Throughput (minibatches/s over whole steps of 8; bound 1/(F+I+W)), 4 CPU processes, gloo; "
@@ -408,20 +410,25 @@ def _print_tables(cases: list[Case], results: list[list[dict[str, Any]]]) -> boo
                   f"{f_o['rate'] / case.bound:6.3f} {f_t['rate']:7.2f} {f_t['rate'] / case.bound:6.3f} "
                   f"{ratio:10.3f}  >={TARGET_PEER:.1f}:{_mark(ratio >= TARGET_PEER)}")
     print()
+    planner = ("the measured profile's and machine's costs" if machine is not None
+               else "the measured profile's costs; no machine measured")
     print("Step time and bubble against the simulator (same steps back to back; bubble = 1 - busy/elapsed over all "
           "ranks, busy = the sleeps;\n"
           f"targets, ours only: step within {100 * TARGET_SIM:.0f} % of the planner's prediction (the simulator "
-          f"with the measured profile's costs), ZB-H1's bubble within {100 * TARGET_ZB_BUBBLE:.0f} % of predicted)")
+          f"with {planner}), ZB-H1's bubble within {100 * TARGET_ZB_BUBBLE:.0f} % of predicted)")
     head = (f"{'F/I/W ms':>9} {'sched':>6} {'library':>12} {'step ms':>8} {'pred ms':>8} {'meas/pred':>9} "
             f"{'bubble':>7} {'pred':>7} {'slept F/I/W ms':>15} {'pred@slept':>10} {'meas/p@s':>8} "
-            f"{'pred@prof':>9} {'meas/p@p':>8} {'cpu ms':>6} {'sleeps':>6}  targets")
+            f"{'pred@prof':>9} {'meas/p@p':>8} {'pred@mach':>9} {'meas/p@m':>8} {'cpu ms':>6} {'sleeps':>6}  targets")
     print(head)
     print("-" * len(head))
     for case, res in zip(cases, results):
         planned = profile_costs(case)
+        with_machine = profile_costs(case, machine) if machine is not None else None
         for name in case.schedules:
             pred_ms, pred_bubble = predict(case, name, case.steps)
             at_profile, _ = predict(case, name, case.steps, planned)
+            at_machine = predict(case, name, case.steps, with_machine)[0] if with_machine is not None else None
+            planners = at_machine if at_machine is not None else at_profile
             for lib in ("ours", "torch"):
                 f = _figures(case, res, name, lib)
                 if f is None:
@@ -429,7 +436,7 @@ def _print_tables(cases: list[Case], results: list[list[dict[str, Any]]]) -> boo
                 r = f["step_ms"] / pred_ms
                 verdict = []
                 if lib == "ours":
-                    sim_ok = abs(f["step_ms"] / at_profile - 1) <= TARGET_SIM
+                    sim_ok = abs(f["step_ms"] / planners - 1) <= TARGET_SIM
                     ok &= sim_ok
                     verdict.append(f"sim:{_mark(sim_ok)}")
                     if name in ("zb_h1", "table"):
@@ -446,12 +453,16 @@ def _print_tables(cases: list[Case], results: list[list[dict[str, Any]]]) -> boo
                 print(f"{case.label:>9} {name:>6} {label:>12} {f['step_ms']:8.1f} {pred_ms:8.1f} {r:9.3f} "
                       f"{100 * f['bubble']:6.1f}% {100 * pred_bubble:6.1f}% {sl:>15} {at_slept:10.1f} "
                       f"{f['step_ms'] / at_slept:8.3f} {at_profile:9.1f} {f['step_ms'] / at_profile:8.3f} "
-                      f"{f['cpu_ms']:6.0f} {counts:>6}  {' '.join(verdict)}")
+                      + (f"{at_machine:9.1f} {f['step_ms'] / at_machine:8.3f} " if at_machine is not None
+                         else f"{'-':>9} {'-':>8} ")
+                      + f"{f['cpu_ms']:6.0f} {counts:>6}  {' '.join(verdict)}")
     print("(pred: the simulator with the nominal sleeps; slept: a middle stage's mean sleep per action; pred@slept:\n"
           " the simulator with every stage's slept means, so meas/p@s is the runtime's own overhead; pred@prof: with\n"
           " the costs pipedream-profile measured for the model (one process, no pipeline), as pipedream-partition\n"
-          " predicts; cpu ms: CPU time of all 4 processes per step; sleeps: every rank slept F and W once per\n"
-          " minibatch and I once, except the first stage, which has no input gradient)")
+          " predicts; pred@mach: also with the machine pipedream-probe measured (the runtime's fixed cost per\n"
+          " action, the links' latency), as pipedream-partition --machine predicts; cpu ms: CPU time of all 4\n"
+          " processes per step; sleeps: every rank slept F and W once per minibatch and I once, except the first\n"
+          " stage, which has no input gradient)")
     return ok
 
 
@@ -478,16 +489,47 @@ def profiled(case: Case) -> tuple[Any, Any]:
     return _PROFILED[case]
 
 
-def profile_costs(case: Case) -> Any:
+def profile_costs(case: Case, machine: Any = None) -> Any:
     """The costs (ms) the planner simulates the case with: :func:`partitioner.schedule_choice.schedule_costs` of
-    the measured profile. Beside the sleeps they hold what one action of the model costs a process outside its
-    sleeps (autograd, the sleep's own overshoot)."""
+    the measured profile, and of ``machine`` (``pipedream-probe``'s) if given. Beside the sleeps the profile holds
+    what one action of the model costs a process outside its sleeps (autograd, the sleep's own overshoot); the
+    machine, the runtime's own cost per action and the links' latency."""
     from partitioner.schedule_choice import schedule_costs
     from pipedream_ft.schedules import Costs
 
-    c = schedule_costs(*reversed(profiled(case)))
+    profile, plan = profiled(case)
+    c = schedule_costs(plan, profile, machine=machine)
     return Costs(forward=[1e3 * x for x in c.forward], input_backward=[1e3 * x for x in c.input_backward],
-                 weight_backward=[1e3 * x for x in c.weight_backward])
+                 weight_backward=[1e3 * x for x in c.weight_backward], latency=1e3 * c.latency,
+                 overhead=1e3 * c.overhead)
+
+
+def probe_machine(stages: int, directory: Path, timeout_s: float = 180.0) -> Any:
+    """``pipedream-probe`` on ``stages`` processes (torchrun, gloo), as a user measures the machine before
+    planning; its :class:`~partitioner.machine.MachineProfile`, or ``None`` (said why) if it failed."""
+    import os
+    import subprocess
+
+    from partitioner.machine import load_machine
+
+    out = directory / "machine.json"
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(stages),
+           "-m", "pipedream_ft.probe", "--backend", "gloo", "-o", str(out)]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"pipedream-probe did not finish in {timeout_s:.0f} s: no machine-aware prediction")
+        return None
+    if done.returncode != 0 or not out.exists():
+        tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
+        print(f"pipedream-probe failed (exit {done.returncode}): no machine-aware prediction; " + " | ".join(tail))
+        return None
+    machine = load_machine(out)
+    print(f"pipedream-probe on {stages} processes: " + machine.describe().replace("\n", "; "))
+    return machine
 
 
 def auto_choice(case: Case) -> tuple[str, str]:
@@ -556,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=None, help="seconds one case may take (default: from its length)")
     p.add_argument("--timelines", metavar="DIR", default=None,
                    help="also draw two traced steps of each schedule of ours as DIR/<schedule>.png")
+    p.add_argument("--no-probe", action="store_true",
+                   help="skip pipedream-probe (the prediction is then the profile's alone)")
     args = p.parse_args(argv)
     schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
     for s in schedules:
@@ -597,12 +641,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {lib:>12}: I {i_ms:6.2f} ms (slept {in_i}), W {w_ms:6.2f} ms (slept {in_w})"
               f"{'' if want else '  NOT SPLIT'}")
     print()
+    machine = None if args.no_probe else probe_machine(cases[0].stages, Path(tables.name))
     t0 = time.perf_counter()
     print("Running " + "; ".join(f"F/I/W = {c.label} ms: {c.repeats} x {c.steps} steps" for c in cases) +
           f" (steps of {c0.microbatches}) per schedule and library, in 4 processes ...", end=" ", flush=True)
     results = run_cases(cases)
     print(f"{time.perf_counter() - t0:.1f} s", flush=True)
-    ok = _print_tables(cases, results)
+    ok = _print_tables(cases, results, machine)
     ok &= _print_auto(cases, results)
     if args.timelines is not None:
         _draw_timelines(cases[0], Path(args.timelines))

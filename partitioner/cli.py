@@ -13,7 +13,8 @@ with the plan, and the plan records them. ``--schedule`` ranks the schedules the
 their simulated time per minibatch with ``M`` minibatches per step (default ``2 x`` stages) and the memory each
 holds (:mod:`partitioner.schedule_choice`); ``auto`` picks the fastest synchronous one that fits ``--memory``;
 a table's path (``T.csv``, one window of a synchronous schedule, one row per worker) ranks that table beside them
-at its own number of minibatches and chooses it. The
+at its own number of minibatches and chooses it. With ``--machine`` the ranking also simulates the runtime's
+measured fixed cost per action and the links' latency. The
 plan records the choice and the ranking under ``settings["schedule"]``. ``--virtual-stages V`` adds the
 schedules of ``V`` stages per worker (interleaved 1F1B, interleaved zero-bubble, looped BFS; ZBV and DualPipeV
 for ``V = 2``) to the ranking, planned on ``workers x V`` straight stages at the slowest ``--bandwidth``: on
@@ -33,7 +34,7 @@ from profiler.cliutil import CliError, OneLineParser, number, run_cli, write_ato
 from profiler.profile import ProfileError, load_profile
 
 from .optimizer import partition
-from .machine import load_machine
+from .machine import MachineProfile, load_machine
 from .plan import Plan, PlanError
 from .schedule_choice import (DEFAULT_WEIGHT_FRACTION, RUNNABLE, VIRTUAL, choose, format_ranking, rank_schedules,
                               rank_virtual)
@@ -136,7 +137,7 @@ def _run(argv: list[str] | None) -> int:
         if args.virtual_stages is not None and (args.schedule is None or args.machine is not None):
             raise CliError("--virtual-stages needs --schedule, and --bandwidth rather than --machine")
         if args.schedule is not None:
-            plan, ranking = _with_schedule(plan, profile, args)
+            plan, ranking = _with_schedule(plan, profile, args, machine)
     except (ProfileError, PlanError) as exc:
         raise CliError(str(exc)) from None
     write_atomic(out, plan.dumps())
@@ -150,8 +151,10 @@ def _run(argv: list[str] | None) -> int:
     return 0
 
 
-def _with_schedule(plan: Plan, profile: object, args: argparse.Namespace) -> tuple[Plan, str]:
-    """The plan with its schedule chosen (``settings["schedule"]``), and the ranking's table."""
+def _with_schedule(plan: Plan, profile: object, args: argparse.Namespace, machine: MachineProfile | None = None
+                   ) -> tuple[Plan, str]:
+    """The plan with its schedule chosen (``settings["schedule"]``), and the ranking's table; with ``machine``,
+    its measured costs are simulated too."""
     if args.schedule in VIRTUAL:
         raise PlanError(f"schedule {args.schedule!r} gives each worker several stages, which the runtime does not run "
                         f"(it runs {', '.join(RUNNABLE)}); --schedule auto --virtual-stages V ranks it on paper")
@@ -175,7 +178,7 @@ def _with_schedule(plan: Plan, profile: object, args: argparse.Namespace) -> tup
                         f"{args.schedule!r}")
     m = args.microbatches or 2 * plan.num_stages
     ranking = rank_schedules(plan, profile, m, weight_fraction=args.weight_fraction,  # type: ignore[arg-type]
-                             memory_bytes=args.memory, tables=tables)
+                             memory_bytes=args.memory, tables=tables, machine=machine)
     if args.virtual_stages is not None:
         ranking = sorted(ranking + rank_virtual(profile, plan.world_size, m, min(args.bandwidth),  # type: ignore
                                                 stages_per_worker=args.virtual_stages,
@@ -194,7 +197,7 @@ def _with_schedule(plan: Plan, profile: object, args: argparse.Namespace) -> tup
                           else "measured" if measured == len(profile.layers)  # type: ignore[attr-defined]
                           else DEFAULT_WEIGHT_FRACTION if measured == 0
                           else f"measured, {DEFAULT_WEIGHT_FRACTION:g} where not")
-    record = {"name": chosen.name, "microbatches": m, "weight_fraction": split,
+    record = {"name": chosen.name, "microbatches": m, "weight_fraction": split, "machine": machine is not None,
               "ranking": [{"name": r.name, "time_per_minibatch_s": r.time_per_minibatch_s, "bubble": r.bubble,
                            "peak_memory_bytes": r.peak_memory_bytes, "fits": r.fits, "runnable": r.runnable,
                            "stages_per_worker": r.stages_per_worker} for r in ranking]}
@@ -204,6 +207,9 @@ def _with_schedule(plan: Plan, profile: object, args: argparse.Namespace) -> tup
         how = f"PipelineConfig(mode='flush', schedule='{chosen.name}', flush_every={m})"
     costs = (f"the profile's costs, backwards split {split:g} weight gradient" if isinstance(split, float)
              else f"the profile's costs, backwards split as {split}")
+    if machine is not None:
+        costs += (f", and the machine's: {machine.overhead_s * 1e3:.3f} ms fixed cost per minibatch per stage, "
+                  "the links' latency and bandwidth")
     table = (f"schedules for {m} minibatches per step (simulated with {costs}):\n"
              f"{format_ranking(ranking, chosen.name)}\ntrain with {how}")
     return dataclasses.replace(plan, settings={**plan.settings, "schedule": record}), table

@@ -8,6 +8,10 @@ imported from PipeDream's ``graph.txt``) is split by ``weight_fraction`` (a matr
 about the same, hence 0.5); a ``weight_fraction`` given explicitly splits every layer. The predicted time per
 minibatch is the simulated step divided by ``m``; PipeDream's asynchronous
 1F1B (modes ``stash``/``vertical``, which never flush) is its steady state, the slowest stage's ``F + B``.
+Given the machine ``pipedream-probe`` measured (``pipedream-partition --machine``), the simulation also holds
+the runtime's own costs (:func:`schedule_costs`): its fixed cost per minibatch per stage, half on each compute
+action — so a split backward, one action more per minibatch, pays for it — and the links' latency and bandwidth
+between stages.
 
 **Memory per worker** is counted as each schedule really holds it: the weights (``P``) plus the activations of
 the most minibatches a stage holds at once (:func:`pipedream_ft.schedules.peak_in_flight`: from ``F`` to the
@@ -35,6 +39,7 @@ from typing import Any, Sequence
 
 from profiler.profile import Profile
 
+from .machine import MachineProfile
 from .plan import Plan, PlanError
 
 __all__ = ["Ranked", "schedule_costs", "rank_schedules", "rank_virtual", "choose", "format_ranking", "RUNNABLE", "VIRTUAL",
@@ -105,28 +110,51 @@ def _stage_costs(plan: Plan, profile: Profile, weight_fraction: float | None) ->
     return out
 
 
-def schedule_costs(plan: Plan, profile: Profile, weight_fraction: float | None = None) -> Any:
+def schedule_costs(plan: Plan, profile: Profile, weight_fraction: float | None = None,
+                   machine: MachineProfile | None = None) -> Any:
     """The :class:`pipedream_ft.schedules.Costs` (seconds) the ranking simulates ``plan``'s stages with: ``F``
     summed from the profile's layers, the backward split into ``I`` and ``W`` as measured (or by
-    ``weight_fraction``, see the module docstring)."""
+    ``weight_fraction``, see the module docstring). With ``machine`` (``pipedream-probe``'s measurement) also
+    the runtime's own costs: half its fixed cost per minibatch per stage on every compute action, and between
+    two stages the link's latency plus the boundary's bytes (the sending stage's last layer's output) over its
+    bandwidth, averaged over the plan's boundaries."""
     if weight_fraction is not None and not 0.0 <= weight_fraction <= 1.0:
         raise PlanError(f"weight_fraction must be in [0, 1], got {weight_fraction}")
-    return _costs(_stage_costs(plan, profile, weight_fraction))
+    return _costs(_stage_costs(plan, profile, weight_fraction), plan, profile, machine)
 
 
-def _costs(sc: _StageCosts) -> Any:
+def _common_level(workers: Sequence[int], a: int, b: int) -> int:
+    """The innermost level of a machine whose one group holds ranks ``a`` and ``b`` (ranks laid out innermost
+    level first)."""
+    size = 1
+    for level, n in enumerate(workers):
+        size *= n
+        if a // size == b // size:
+            return level
+    return len(workers) - 1
+
+
+def _costs(sc: _StageCosts, plan: Plan, profile: Profile, machine: MachineProfile | None) -> Any:
     from pipedream_ft.schedules import Costs
 
+    latency = overhead = 0.0
+    if machine is not None:
+        overhead = machine.overhead_s / 2  # the probe's pipeline runs one forward and one backward per minibatch
+        links = []
+        for here, there in zip(plan.stages, plan.stages[1:]):
+            level = machine.levels[_common_level(machine.workers, here.ranks[0], there.ranks[0])]
+            links.append(level.latency_s + profile.layers[here.layers[-1]].activation_bytes / level.bandwidth)
+        latency = sum(links) / len(links) if links else 0.0
     return Costs(forward=sc.forward, input_backward=[max(0.0, x - w) for x, w in zip(sc.backward, sc.weight_backward)],
-                 weight_backward=sc.weight_backward)
+                 weight_backward=sc.weight_backward, latency=latency, overhead=overhead)
 
 
 def rank_schedules(plan: Plan, profile: Profile, microbatches: int, *, weight_fraction: float | None = None,
                    memory_bytes: float | None = None, names: Sequence[str] | None = None,
-                   tables: Sequence[Any] = ()) -> list[Ranked]:
+                   tables: Sequence[Any] = (), machine: MachineProfile | None = None) -> list[Ranked]:
     """The schedules the plan can run (or ``names``), fastest first (see the module docstring). ``tables``: schedules
     given as data (:class:`pipedream_ft.schedules.WindowSchedule`, one window of ``microbatches``), ranked beside
-    them under their source's name."""
+    them under their source's name. ``machine``: simulate the runtime's own costs too (see :func:`schedule_costs`)."""
     from pipedream_ft.schedules import build, peak_in_flight, simulate
 
     if microbatches < 1:
@@ -144,7 +172,7 @@ def rank_schedules(plan: Plan, profile: Profile, microbatches: int, *, weight_fr
     sc = _stage_costs(plan, profile, weight_fraction)
     f, b, p, a = sc.forward, sc.backward, sc.parameters, sc.activations
     stages = plan.num_stages
-    costs = _costs(sc)
+    costs = _costs(sc, plan, profile, machine)
     out = []
     for table in tables:
         why = table.check_plan([st.replicas for st in plan.stages])
@@ -161,7 +189,7 @@ def rank_schedules(plan: Plan, profile: Profile, microbatches: int, *, weight_fr
                           memory_bytes is None or max(memory) <= memory_bytes))
     for name in names:
         if name == "pipedream":  # asynchronous: no flush, the slowest stage sets the pace
-            per = max((fs + bs) / s.replicas for fs, bs, s in zip(f, b, plan.stages))
+            per = max((fs + bs + 2 * costs.overhead) / s.replicas for fs, bs, s in zip(f, b, plan.stages))
             memory = tuple((stages - s) * (p[s] + a[s]) for s in range(stages))
             out.append(Ranked(name, per, 0.0, memory, memory_bytes is None or max(memory) <= memory_bytes))
             continue
@@ -200,7 +228,7 @@ def rank_virtual(profile: Profile, workers: int, microbatches: int, bandwidth: f
     except PlanError as exc:
         raise PlanError(f"{workers} workers x {stages_per_worker} stages: {exc}") from None
     sc = _stage_costs(plan, profile, weight_fraction)
-    costs = _costs(sc)
+    costs = _costs(sc, plan, profile, None)
     out = []
     for name in chosen:
         if name in ("zbv", "dualpipev") and (stages_per_worker != 2 or (name == "dualpipev" and microbatches < stages)):

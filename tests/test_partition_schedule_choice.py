@@ -70,6 +70,42 @@ def test_the_costs_the_ranking_simulates_are_public_and_sum_each_stages_layers()
         schedule_costs(plan, measured, weight_fraction=1.5)
 
 
+def test_a_measured_machine_adds_the_runtimes_own_costs_to_the_simulation(tmp_path: Path, capsys):
+    """With ``pipedream-probe``'s machine: half its fixed cost per minibatch per stage on every compute action, and
+    between stages the link's latency plus the boundary's bytes over its bandwidth (the level the two stages'
+    ranks share); a machine that measured nothing predicts what no machine does."""
+    from partitioner.machine import MachineLevel, MachineProfile, zero_machine
+
+    profile = _profile()
+    plan = partition(profile, 4, 1e12, straight=True)
+    m, S, F, B, O = 8, 4, 2e-3, 4e-3, 1e-3
+    assert _by_name(rank_schedules(plan, profile, m, machine=zero_machine([4], [1e300]))) == \
+        _by_name(rank_schedules(plan, profile, m))
+    machine = MachineProfile((MachineLevel(2, 1e-4, 1e9), MachineLevel(2, 1e-3, 1e8)), overhead_s=O)
+    costs = schedule_costs(plan, profile, machine=machine)
+    assert costs.overhead == pytest.approx(O / 2)
+    # ranks 0|1 and 2|3 share the inner level, 1|2 only the outer one; each boundary carries one layer's A
+    assert costs.latency == pytest.approx((2 * (1e-4 + A / 1e9) + (1e-3 + A / 1e8)) / 3)
+    got = _by_name(rank_schedules(plan, profile, m, machine=MachineProfile((MachineLevel(4, 0.0, 1e300),),
+                                                                          overhead_s=O)))
+    assert got["1f1b"].time_per_minibatch_s == pytest.approx((m + S - 1) * (F + B + O) / m)
+    assert got["pipedream"].time_per_minibatch_s == pytest.approx(F + B + O)
+    # a split backward is one action more per minibatch: ZB-H1 pays o more for each of its m W's
+    no_machine = _by_name(rank_schedules(plan, profile, m))["zb_h1"].time_per_minibatch_s
+    assert got["zb_h1"].time_per_minibatch_s > no_machine + (m + S - 1) * O / m
+    # the command line ranks with the machine it plans for
+    prof, probe = tmp_path / "prof.json", tmp_path / "machine.json"
+    profile.save(prof)
+    MachineProfile((MachineLevel(4, 0.0, 1e300),), overhead_s=O).save(probe)
+    assert main([str(prof), "--machine", str(probe), "--straight", "--schedule", "1f1b", "--microbatches", "8",
+                 "-o", str(tmp_path / "plan.json")]) == 0
+    record = json.loads((tmp_path / "plan.json").read_text())["settings"]["schedule"]
+    assert record["machine"] is True
+    ranked = {r["name"]: r["time_per_minibatch_s"] for r in record["ranking"]}
+    assert ranked["1f1b"] == pytest.approx((m + S - 1) * (F + B + O) / m)
+    assert "and the machine's: 1.000 ms fixed cost per minibatch per stage" in capsys.readouterr().out
+
+
 def test_a_memory_limit_rules_schedules_out_and_none_fitting_names_the_least_needed():
     profile = _profile()
     plan = partition(profile, 4, 1e12, straight=True)

@@ -63,6 +63,22 @@ def test_spans_and_latency():
     assert [(str(s.action), s.start, s.end) for s in t.spans[1]] == [("1F0", 1.5, 2.5), ("1B0", 2.5, 4.5)]
 
 
+def test_the_runtimes_overhead_is_paid_once_per_compute_action():
+    """``overhead``: every F, B, I and W costs that much more (a whole backward once, a split one twice); an
+    update and the messages nothing more."""
+    costs = Costs.uniform(2, 1, 1, 1, update=0.5, overhead=0.25)
+    assert [costs.of(parse_action(a)) for a in ("0F0", "0B0", "0I0", "0W0", "0U0", "0SEND_F0")] == \
+        [1.25, 2.25, 1.25, 1.25, 0.5, 0.0]
+    t = simulate(one_f_one_b(2, 1), costs)
+    assert [(str(s.action), s.start, s.end) for s in t.spans[1]] == [("1F0", 1.25, 2.5), ("1B0", 2.5, 4.75)]
+    # S = 4, 8 microbatches: 1F1B's step is (m + S - 1)(F + B) with each action o longer
+    f, b, o = 1.0, 2.0, 0.1
+    assert simulate(one_f_one_b(4, 8), Costs.uniform(4, f, b / 2, b / 2, overhead=o)).step_time == \
+        pytest.approx(11 * (f + b + 2 * o))
+    with pytest.raises(ValueError, match="overhead must be a finite cost >= 0"):
+        Costs.uniform(2, overhead=-1)
+
+
 @pytest.mark.parametrize("name", SCHEDULES)
 @pytest.mark.parametrize("latency", [0, 0.25])
 def test_messages_do_not_change_the_prediction(name, latency):

@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--costs", type=_costs, default=(1.0, 1.0, 1.0), metavar="F,I,W",
                    help="one rank's forward, input-gradient and weight-gradient time per microbatch")
     p.add_argument("--latency", type=number("--latency", low=0.0), default=0.0, help="message latency")
+    p.add_argument("--overhead", type=number("--overhead", low=0.0), default=0.0,
+                   help="the runtime's own cost per compute action (F, B, I, W)")
     p.add_argument("--messages", action="store_true", help="add the sends and receives (drawn as nothing)")
     p.add_argument("--csv", metavar="OUT.csv", help="write the schedule's table")
     p.add_argument("--trace", metavar="OUT.json", help="write a trace for pipedream-timeline")
@@ -69,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
 def _time(schedule: Schedule, placement: dict[int, int], args: argparse.Namespace) -> Timeline:
     per_rank = max(1, len(placement) // max(1, len(set(placement.values()))))
     f, i, w = (c / per_rank for c in args.costs)
-    costs = Costs.uniform(len(placement), f, i, w, latency=args.latency)
+    costs = Costs.uniform(len(placement), f, i, w, latency=args.latency, overhead=args.overhead)
     return simulate(schedule, costs, placement)
 
 
