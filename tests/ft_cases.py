@@ -25,9 +25,9 @@ class Counter:
 
 def checkpointed_case(url: str, stages: list[list[int]], replicas: list[int] | None, total: int,
                       stop_at: int | None, every: int, mode: str = "stash", opt: str = "adam",
-                      elastic: bool = False) -> dict[str, Any]:
+                      elastic: bool = False, schedule: str = "1f1b") -> dict[str, Any]:
     """Train to ``total`` minibatches (or only to ``stop_at``, as if the job died there), checkpointing
-    every ``every`` minibatches, resuming from ``url`` if it holds a checkpoint."""
+    every ``every`` minibatches, resuming from ``url`` if it holds a checkpoint; ``schedule``: flush mode's."""
     from pipedream_ft import CheckpointConfig
     from pipedream_ft.policies import EveryNSteps
     from pipedream_ft import PipelineConfig, PipelineTrainer
@@ -37,7 +37,7 @@ def checkpointed_case(url: str, stages: list[list[int]], replicas: list[int] | N
     plan = plan_for(model, stages, replicas, settings)
     counter = Counter()
     trainer = PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=OPTIMIZERS[opt],
-                              config=PipelineConfig(mode=mode, flush_every=4, timeout_s=60),
+                              config=PipelineConfig(mode=mode, flush_every=4, timeout_s=60, schedule=schedule),
                               checkpoint=CheckpointConfig(url=url, policy=EveryNSteps(every), defer_when_behind=False),
                               extra_state={"counter": counter}, profile=timed_profile(model) if elastic else None)
     resumed = trainer.resumed_from

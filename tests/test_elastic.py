@@ -18,7 +18,7 @@ import torch
 
 from dist_helpers import run_world
 from ft_cases import checkpointed_case, elastic_bad_case
-from pipedream_reference import elastic_reference
+from pipedream_reference import elastic_reference, minibatch_sgd_reference
 from runtime_cases import adam, data, mlp, plan_for
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -41,6 +41,24 @@ def test_shrink_and_grow_back_match_the_reference(tmp_path):
     for k, v in want.items():
         torch.testing.assert_close(grown["state"][k], v, rtol=0, atol=1e-6, msg=k)
     assert os.path.exists(os.path.join(url, "profile.json"))  # stored for later re-plans
+
+
+@pytest.mark.parametrize("schedule", ["zb_h1", "gpipe"])
+def test_a_synchronous_schedule_shrinks_and_grows_back_as_minibatch_sgd(tmp_path, schedule):
+    """Elastic resize under flush mode's schedules (ZB-H1's split backward, GPipe): the cuts fall at window ends,
+    so 4 -> 2 -> 4 workers ends at plain minibatch SGD's weights whatever the plans in between."""
+    url = str(tmp_path / "ckpt")
+    args = ("flush", "adam", True, schedule)
+    first = run_world(checkpointed_case, 4, url, P4, None, 16, None, 8, *args)[0][1]
+    assert first["position"] == 16
+    shrunk = run_world(checkpointed_case, 2, url, P4, None, 32, None, 8, *args)[0][1]
+    assert shrunk["resumed"] == 16 and len(shrunk["stages"]) == 2
+    grown = run_world(checkpointed_case, 4, url, P4, None, 48, None, 8, *args)[0][1]
+    assert grown["resumed"] == 32 and len(grown["stages"]) == 4
+    want, losses = minibatch_sgd_reference(mlp(), data, torch.nn.functional.cross_entropy, adam, 48, 4)
+    for k, v in want.items():
+        torch.testing.assert_close(grown["state"][k], v, rtol=0, atol=1e-6, msg=k)
+    assert grown["losses"] == pytest.approx(losses[32:], abs=1e-6)
 
 
 def test_same_world_size_still_resumes_exactly(tmp_path):
