@@ -21,8 +21,8 @@ minibatch in flight: ``(S - s) (P + A)``, the partitioner's own model. A schedul
 ``memory_bytes`` on some stage is ranked but not chosen.
 
 A schedule given as a table (:class:`pipedream_ft.schedules.WindowSchedule`) is ranked the same way, under its
-file's name. Only straight plans (one worker per stage) run GPipe, ZB-H1 and tables; a replicated plan runs 1F1B (synchronous) or
-PipeDream's asynchronous 1F1B, and only those are ranked for it.
+file's name. Only straight plans (one worker per stage) run GPipe, ZB-H1 and tables; a replicated plan runs 1F1B
+(synchronous) or PipeDream's asynchronous 1F1B, and only those are ranked for it.
 
 **Virtual stages** (:func:`rank_virtual`): the schedules that give each worker ``v`` stages — interleaved 1F1B,
 interleaved zero-bubble and looped BFS (stage ``s`` on worker ``s % W``), ZBV and DualPipeV (``v = 2``, in a V)
@@ -42,8 +42,8 @@ from profiler.profile import Profile
 from .machine import MachineProfile
 from .plan import Plan, PlanError
 
-__all__ = ["Ranked", "schedule_costs", "rank_schedules", "rank_virtual", "choose", "format_ranking", "RUNNABLE", "VIRTUAL",
-           "DEFAULT_WEIGHT_FRACTION"]
+__all__ = ["Ranked", "schedule_costs", "rank_schedules", "rank_virtual", "choose", "format_ranking", "RUNNABLE",
+           "VIRTUAL", "DEFAULT_WEIGHT_FRACTION"]
 
 RUNNABLE = ("1f1b", "gpipe", "zb_h1", "pipedream")
 """The schedules the runtime runs one stage per rank: ``flush`` mode's three and the asynchronous modes'."""
