@@ -17,8 +17,8 @@ at its own number of minibatches and chooses it. With ``--machine`` the ranking 
 measured fixed cost per action and the links' latency. The
 plan records the choice and the ranking under ``settings["schedule"]``. ``--virtual-stages V`` adds the
 schedules of ``V`` stages per worker (interleaved 1F1B, interleaved zero-bubble, looped BFS; ZBV and DualPipeV
-for ``V = 2``) to the ranking, planned on ``workers x V`` straight stages at the slowest ``--bandwidth``: on
-paper only, since the runtime runs one stage per rank. Errors print one line
+for ``V = 2``) to the ranking, planned on ``workers x V`` straight stages at the slowest ``--bandwidth`` (or the
+machine's): on paper only, since the runtime runs one stage per rank. Errors print one line
 ``pipedream-partition: error: ...`` and exit with status 2; the output
 file is then left untouched.
 """
@@ -134,8 +134,8 @@ def _run(argv: list[str] | None) -> int:
         plan = partition(profile, args.workers, None if machine else args.bandwidth, straight=args.straight,
                          memory_bytes=args.memory, machine=machine)
         ranking = None
-        if args.virtual_stages is not None and (args.schedule is None or args.machine is not None):
-            raise CliError("--virtual-stages needs --schedule, and --bandwidth rather than --machine")
+        if args.virtual_stages is not None and args.schedule is None:
+            raise CliError("--virtual-stages needs --schedule")
         if args.schedule is not None:
             plan, ranking = _with_schedule(plan, profile, args, machine)
     except (ProfileError, PlanError) as exc:
@@ -180,9 +180,11 @@ def _with_schedule(plan: Plan, profile: object, args: argparse.Namespace, machin
     ranking = rank_schedules(plan, profile, m, weight_fraction=args.weight_fraction,  # type: ignore[arg-type]
                              memory_bytes=args.memory, tables=tables, machine=machine)
     if args.virtual_stages is not None:
-        ranking = sorted(ranking + rank_virtual(profile, plan.world_size, m, min(args.bandwidth),  # type: ignore
+        bandwidth = min(machine.bandwidth if machine is not None else args.bandwidth)  # type: ignore[arg-type]
+        ranking = sorted(ranking + rank_virtual(profile, plan.world_size, m, bandwidth,  # type: ignore
                                                 stages_per_worker=args.virtual_stages,
-                                                weight_fraction=args.weight_fraction, memory_bytes=args.memory),
+                                                weight_fraction=args.weight_fraction, memory_bytes=args.memory,
+                                                machine=machine),
                          key=lambda r: (not r.fits, r.time_per_minibatch_s))
     if args.schedule == "auto":
         chosen = choose(ranking)

@@ -134,16 +134,23 @@ def _common_level(workers: Sequence[int], a: int, b: int) -> int:
     return len(workers) - 1
 
 
-def _costs(sc: _StageCosts, plan: Plan, profile: Profile, machine: MachineProfile | None) -> Any:
+def _costs(sc: _StageCosts, plan: Plan, profile: Profile, machine: MachineProfile | None,
+           workers: Sequence[int] | None = None) -> Any:
+    """``sc`` as :class:`~pipedream_ft.schedules.Costs`, with ``machine``'s costs if given; ``workers``: the
+    worker of each stage (default: each stage's first rank in the plan)."""
     from pipedream_ft.schedules import Costs
 
     latency = overhead = 0.0
     if machine is not None:
         overhead = machine.overhead_s / 2  # the probe's pipeline runs one forward and one backward per minibatch
+        where = list(workers) if workers is not None else [st.ranks[0] for st in plan.stages]
         links = []
-        for here, there in zip(plan.stages, plan.stages[1:]):
-            level = machine.levels[_common_level(machine.workers, here.ranks[0], there.ranks[0])]
-            links.append(level.latency_s + profile.layers[here.layers[-1]].activation_bytes / level.bandwidth)
+        for s, (here, there) in enumerate(zip(where, where[1:])):
+            if here == there:  # two stages of one worker: no transfer
+                continue
+            level = machine.levels[_common_level(machine.workers, here, there)]
+            size = profile.layers[plan.stages[s].layers[-1]].activation_bytes
+            links.append(level.latency_s + size / level.bandwidth)
         latency = sum(links) / len(links) if links else 0.0
     return Costs(forward=sc.forward, input_backward=[max(0.0, x - w) for x, w in zip(sc.backward, sc.weight_backward)],
                  weight_backward=sc.weight_backward, latency=latency, overhead=overhead)
@@ -204,11 +211,13 @@ def rank_schedules(plan: Plan, profile: Profile, microbatches: int, *, weight_fr
 
 def rank_virtual(profile: Profile, workers: int, microbatches: int, bandwidth: float, *, stages_per_worker: int = 2,
                  weight_fraction: float | None = None, memory_bytes: float | None = None,
-                 names: Sequence[str] | None = None) -> list[Ranked]:
+                 names: Sequence[str] | None = None, machine: MachineProfile | None = None) -> list[Ranked]:
     """The schedules of ``stages_per_worker`` stages per worker for ``workers`` workers, planned and simulated
     (see the module docstring), fastest first. ZBV and DualPipeV need 2 stages per worker and are left out
     otherwise, DualPipeV also when ``microbatches`` is under its stage count; ``names`` picks among
-    :data:`VIRTUAL`. Raises :class:`PlanError` for bad settings or a model with too few cut points."""
+    :data:`VIRTUAL`. ``machine``: simulate its costs too (see :func:`schedule_costs`), each stage on the worker
+    the schedule places it on — a worker's stages pay the fixed cost per action each, and interleaving multiplies
+    the actions. Raises :class:`PlanError` for bad settings or a model with too few cut points."""
     from pipedream_ft.schedules import build, simulate
 
     from .optimizer import partition
@@ -228,12 +237,12 @@ def rank_virtual(profile: Profile, workers: int, microbatches: int, bandwidth: f
     except PlanError as exc:
         raise PlanError(f"{workers} workers x {stages_per_worker} stages: {exc}") from None
     sc = _stage_costs(plan, profile, weight_fraction)
-    costs = _costs(sc, plan, profile, None)
     out = []
     for name in chosen:
         if name in ("zbv", "dualpipev") and (stages_per_worker != 2 or (name == "dualpipev" and microbatches < stages)):
             continue
         built = build(name, workers, microbatches, stages_per_worker if name not in ("zbv", "dualpipev") else None)
+        costs = _costs(sc, plan, profile, machine, [built.placement[s] for s in range(stages)])
         timeline = simulate(built.schedule, costs, built.placement)
         memory = _worker_memory(built.schedule, built.placement, sc.parameters, sc.activations)
         out.append(Ranked(name, timeline.step_time / microbatches, timeline.bubble_fraction, memory,

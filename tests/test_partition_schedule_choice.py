@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -210,6 +211,40 @@ def test_virtual_stages_are_planned_and_simulated_and_never_chosen():
         rank_virtual(profile, W, m, 1e12, names=["1f1b"])
     with pytest.raises(PlanError, match="4 workers x 8 stages"):
         rank_virtual(_profile(8), W, m, 1e12, stages_per_worker=8)
+
+
+def test_virtual_stages_pay_the_machines_fixed_cost_per_action_of_every_stage(tmp_path: Path, capsys):
+    """With a measured machine, each of a worker's stages pays the fixed cost on each of its actions (interleaving
+    v stages multiplies the actions per minibatch by v), and two stages on one worker exchange nothing."""
+    from partitioner.machine import MachineLevel, MachineProfile
+    from partitioner.schedule_choice import rank_virtual
+    from pipedream_ft.schedules import build, simulate
+
+    profile = _profile(16)
+    W, v, m, O = 4, 2, 8, 2e-3
+    machine = MachineProfile((MachineLevel(W, 1e-4, 1e300),), overhead_s=O)
+    free = _by_name(rank_virtual(profile, W, m, 1e12, stages_per_worker=v))
+    paid = _by_name(rank_virtual(profile, W, m, 1e12, stages_per_worker=v, machine=machine))
+    plan = partition(profile, W * v, 1e12, straight=True)
+    for name in ("interleaved_1f1b", "zbv"):
+        built = build(name, W, m, v if name == "interleaved_1f1b" else None)
+        costs = schedule_costs(plan, profile, machine=machine)
+        # every boundary of interleaving crosses workers; ZBV's middle one (stages 3 | 4) stays on worker 3
+        crossing = sum(built.placement[s] != built.placement[s + 1] for s in range(W * v - 1))
+        assert crossing == (W * v - 1 if name == "interleaved_1f1b" else W * v - 2)
+        expected = simulate(built.schedule, dataclasses.replace(costs, latency=1e-4), built.placement)
+        assert paid[name].time_per_minibatch_s == pytest.approx(expected.step_time / m)
+        assert paid[name].time_per_minibatch_s > free[name].time_per_minibatch_s + v * O
+    # the command line takes --virtual-stages with --machine
+    prof, probe, out = tmp_path / "p.json", tmp_path / "machine.json", tmp_path / "plan.json"
+    profile.save(str(prof))
+    machine.save(probe)
+    assert main([str(prof), "--machine", str(probe), "--straight", "--schedule", "auto", "--virtual-stages", "2",
+                 "--microbatches", "8", "-o", str(out)]) == 0
+    record = json.loads(out.read_text())["settings"]["schedule"]
+    ranked = {r["name"]: r["time_per_minibatch_s"] for r in record["ranking"]}
+    assert ranked["interleaved_1f1b"] == pytest.approx(paid["interleaved_1f1b"].time_per_minibatch_s)
+    capsys.readouterr()
 
 
 def test_the_command_line_ranks_virtual_stages_on_paper(tmp_path: Path, capsys):
