@@ -550,26 +550,28 @@ def probe_machine(stages: int, directory: Path, timeout_s: float = 180.0) -> Any
     return machine
 
 
-def auto_choice(case: Case) -> tuple[str, str]:
-    """What ``pipedream-partition --schedule auto`` picks for the case's sleep model from a measured profile,
-    and the ranking's table."""
+def auto_choice(case: Case, machine: Any = None) -> tuple[str, str]:
+    """What ``pipedream-partition --schedule auto`` picks for the case's sleep model from a measured profile (and
+    ``--machine``, if ``machine`` is given), and the ranking's table."""
     from partitioner.schedule_choice import choose, format_ranking, rank_schedules
 
     profile, plan = profiled(case)
-    ranking = rank_schedules(plan, profile, case.microbatches, names=[n for n in case.schedules if n != "table"])
+    ranking = rank_schedules(plan, profile, case.microbatches, names=[n for n in case.schedules if n != "table"],
+                             machine=machine)
     chosen = choose(ranking).name
     return chosen, format_ranking(ranking, chosen)
 
 
-def _print_auto(cases: list[Case], results: list[list[dict[str, Any]]]) -> bool:
+def _print_auto(cases: list[Case], results: list[list[dict[str, Any]]], machine: Any = None) -> bool:
     ok = True
     print()
-    print("--schedule auto (a profile measured by profile_model, one layer per stage) against the measured fastest "
+    print("--schedule auto (a profile measured by profile_model, one layer per stage"
+          + (", and the probe's machine" if machine is not None else "") + ") against the measured fastest "
           "of ours; target: the same")
     for case, res in zip(cases, results):
         if len([n for n in case.schedules if n != "table"]) < 2:
             continue
-        chosen, table = auto_choice(case)
+        chosen, table = auto_choice(case, machine)
         # the table holds ZB-H1's order: auto is judged among the named schedules
         rates = {name: f["rate"] for name in case.schedules
                  if name != "table" and (f := _figures(case, res, name, "ours")) is not None}
@@ -666,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_cases(cases)
     print(f"{time.perf_counter() - t0:.1f} s", flush=True)
     ok = _print_tables(cases, results, machine)
-    ok &= _print_auto(cases, results)
+    ok &= _print_auto(cases, results, machine)
     if args.timelines is not None:
         _draw_timelines(cases[0], Path(args.timelines))
     tables.cleanup()
