@@ -202,7 +202,7 @@ def _measure_links(env: Any, levels: list[int], settings: ProbeSettings, device:
 
     from partitioner.machine import fit_allreduce
 
-    rank, world = env.rank, env.world_size
+    rank = env.rank
     sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
     big_reps = max(3, settings.repeats // 4)
     out: dict[str, Any] = {"p2p": [], "allreduce": []}

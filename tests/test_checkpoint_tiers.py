@@ -249,7 +249,7 @@ def test_one_snapshot_feeds_both_tiers_and_its_buffers_return_at_the_last_releas
     live = state_of(10)
     snap = durable.snapshot(live)
     copied = snap.tree["w"].data_ptr()
-    handle, save = durable.save(10, snap), fast.save(10, snap)
+    handle, _ = durable.save(10, snap), fast.save(10, snap)
     snap.release()  # the taker's hold: the writers still hold theirs
     assert handle.copied_bytes == snap.copied_bytes > 0
     assert fast._pool._arenas == []  # the memory tier's writer copied nothing: it holds the durable one's snapshot

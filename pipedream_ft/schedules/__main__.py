@@ -23,7 +23,6 @@ from .actions import Schedule
 from .catalog import SCHEDULES, build
 from .comms import add_communication
 from .costs import Costs
-from .errors import ScheduleError
 from .memory import peak_in_flight
 from .placement import stage_to_rank
 from .render import render
