@@ -59,10 +59,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 from examples.gpt import GPT, gpt  # noqa: E402
 from examples.text_data import TextData, decode  # noqa: E402
 from examples.train_digits import round_steps  # noqa: E402
-from partitioner.plan import Plan, load_plan  # noqa: E402
+from partitioner.plan import Plan, PlanError, load_plan  # noqa: E402
 import pipedream_ft  # noqa: E402
 from pipedream_ft import CheckpointConfig, PipelineConfig, PipelineSetupError, PipelineTrainer  # noqa: E402
 from pipedream_ft.pipeline.modes import MODES, Mode, make_mode  # noqa: E402
+from pipedream_ft.config import planned_schedule  # noqa: E402
 from pipedream_ft.pipeline.schedule import SYNCHRONOUS  # noqa: E402
 from pipedream_ft.pipeline.topology import Topology  # noqa: E402
 from pipedream_ft.policies import EveryNSteps  # noqa: E402
@@ -136,7 +137,13 @@ def default_lr(optimizer: str, delay: int) -> float:
 
 def _mode_of(args: argparse.Namespace, plan: Plan, rank: int) -> tuple[Mode, Topology]:
     """The library's mode for the arguments, checked against ``rank``'s place in the plan."""
-    mode = make_mode(args.mode, args.flush_every, args.update_every, args.schedule)
+    schedule = args.schedule
+    if schedule == "plan":
+        try:
+            schedule = planned_schedule(plan.settings)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
+    mode = make_mode(args.mode, args.flush_every, args.update_every, schedule)
     topo = Topology.of(plan, rank)
     mode.check(topo)
     return mode, topo
@@ -205,9 +212,10 @@ def train_single_process(args: argparse.Namespace, data: TextData, steps: int) -
 
 
 def _schedule(value: str) -> str:
-    if value in SYNCHRONOUS or value.lower().endswith(".csv"):
+    if value in SYNCHRONOUS or value == "plan" or value.lower().endswith(".csv"):
         return value
-    raise argparse.ArgumentTypeError(f"expected one of {', '.join(SYNCHRONOUS)} or a table's path (.csv), got {value!r}")
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(SYNCHRONOUS)}, plan or a table's path (.csv), got "
+                                     f"{value!r}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -229,10 +237,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "asynchronous modes)")
     p.add_argument("--mode", choices=MODES, default="stash", help="weight stashing, vertical sync or flushing")
     p.add_argument("--flush-every", type=int, default=4, help="minibatches per optimizer step with --mode flush")
-    p.add_argument("--schedule", type=_schedule, default="1f1b", metavar="|".join(SYNCHRONOUS) + "|TABLE.csv",
-                   help="the schedule inside a window with --mode flush (zb_h1: zero bubble; default 1f1b), or a "
-                   "table of one window, one row per rank (`python -m pipedream_ft.schedules NAME --csv T.csv` "
-                   "writes one); its window is --flush-every")
+    p.add_argument("--schedule", type=_schedule, default="1f1b", metavar="|".join(SYNCHRONOUS) + "|plan|TABLE.csv",
+                   help="the schedule inside a window with --mode flush (zb_h1: zero bubble; default 1f1b); plan: the "
+                   "one pipedream-partition --schedule recorded in the plan; or a table of one window, one row per "
+                   "rank (`python -m pipedream_ft.schedules NAME --csv T.csv` writes one); its window is "
+                   "--flush-every")
     p.add_argument("--update-every", type=int, default=None,
                    help="minibatches per optimizer step with --mode 2bw (default: the number of stages)")
     p.add_argument("--seed", type=int, default=0, help="seeds the initial weights, the split and the windows")

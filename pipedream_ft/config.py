@@ -16,7 +16,29 @@ from .pipeline.precision import LossScale, check_autocast
 from .pipeline.schedule import SYNCHRONOUS
 from .schedules.window import ScheduleSpec, WindowSchedule, resolve_schedule
 
-__all__ = ["PipelineConfig", "TrainResult", "check_schedule"]
+__all__ = ["PipelineConfig", "TrainResult", "check_schedule", "planned_schedule"]
+
+PLANNED = "plan"
+"""``PipelineConfig(schedule="plan")``: flush mode runs the schedule the plan records (:func:`planned_schedule`)."""
+
+
+def planned_schedule(settings: dict) -> str:
+    """The synchronous schedule ``pipedream-partition --schedule`` chose and recorded in a plan's ``settings``
+    (``settings["schedule"]["name"]``). Raises ValueError, saying what to pass instead, for a plan that records
+    none, chose PipeDream's asynchronous 1F1B, or chose a table (whose path the plan does not hold)."""
+    record = settings.get("schedule")
+    name = record.get("name") if isinstance(record, dict) else None
+    if not isinstance(name, str):
+        raise ValueError("schedule 'plan': the plan records no schedule (pipedream-partition ... --schedule auto "
+                         "records one); pass PipelineConfig(schedule=NAME)")
+    if name == "pipedream":
+        raise ValueError("schedule 'plan': the plan chose PipeDream's asynchronous 1F1B, which mode 'flush' does "
+                         "not run; train it with PipelineConfig(mode='stash')")
+    if name not in SYNCHRONOUS:
+        raise ValueError(f"schedule 'plan': the plan chose the table {name!r}, which it does not hold; pass that "
+                         "file's path as the schedule")
+    return name
+
 
 
 def check_schedule(schedule: str | WindowSchedule, mode: str, flush_every: int | None = None) -> None:
@@ -56,7 +78,8 @@ class PipelineConfig:
     """The ``"flush"`` mode's schedule inside a window: ``"1f1b"``, ``"gpipe"`` or ``"zb_h1"`` (zero bubble:
     the backward split in two, see :mod:`pipedream_ft.pipeline.splitbackward`), or one given as data — a table's
     path (``*.csv``) or a mapping rank -> actions, checked and held as a
-    :class:`~pipedream_ft.schedules.WindowSchedule` whose window must be ``flush_every``. All give
+    :class:`~pipedream_ft.schedules.WindowSchedule` whose window must be ``flush_every``; or ``"plan"``, the one
+    ``pipedream-partition --schedule`` chose and recorded in the plan (see :func:`planned_schedule`). All give
     minibatch SGD. The asynchronous modes run PipeDream's 1F1B."""
     update_every: int | None = None
     """Minibatches per optimizer step in ``"2bw"`` mode (default: the number of stages)."""
@@ -104,8 +127,13 @@ class PipelineConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.flush_every < 1:
             raise ValueError(f"flush_every must be >= 1, got {self.flush_every}")
-        self.schedule = resolve_schedule(self.schedule)
-        check_schedule(self.schedule, self.mode, self.flush_every)
+        if self.schedule == PLANNED:  # resolved against the plan by the trainer
+            if self.mode != "flush":
+                raise ValueError(f"schedule 'plan' is flush mode's schedule as the plan records it; mode {self.mode!r} "
+                                 "runs PipeDream's asynchronous 1F1B")
+        else:
+            self.schedule = resolve_schedule(self.schedule)
+            check_schedule(self.schedule, self.mode, self.flush_every)
         if self.update_every is not None and self.update_every < 1:
             raise ValueError(f"update_every must be >= 1, got {self.update_every}")
         check_compensation(self.compensation, self.mode)

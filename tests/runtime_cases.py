@@ -256,3 +256,20 @@ def tied_mismatch_case() -> None:
     plan = plan_for(model, [[0, 1, 2, 3], [4, 5, 6, 7, 8]])
     PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=sgd,
                     config=PipelineConfig(timeout_s=30), tied_parameters=[["0.weight", "8.weight"]])
+
+
+def planned_schedule_case(recorded: str | None) -> list[str]:
+    """A 2-stage flush-mode trainer given ``schedule="plan"`` on a plan that records ``recorded`` as
+    ``pipedream-partition --schedule`` would (``None``: records nothing): its first window's actions."""
+    from pipedream_ft import PipelineConfig, PipelineTrainer
+
+    model = mlp()
+    settings = {"schedule": {"name": recorded, "microbatches": 4}} if recorded is not None else None
+    plan = plan_for(model, [[0, 1, 2, 3], [4, 5, 6, 7, 8]], None, settings)
+    trainer = PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=sgd,
+                              config=PipelineConfig(mode="flush", flush_every=4, schedule="plan", timeout_s=30,
+                                                    summary=False))
+    try:
+        return [str(a) for a in trainer.schedule(0, 4)]
+    finally:
+        trainer.close()

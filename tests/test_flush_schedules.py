@@ -19,7 +19,7 @@ from pipedream_ft.pipeline.modes import Flush
 from pipedream_ft.pipeline.schedule import Action, ScheduleError, simulate, synchronous
 from pipedream_reference import minibatch_sgd_reference
 from png_helpers import hex_rgb, png_colours
-from runtime_cases import OPTIMIZERS, gpt_case, gpt_plan, lm_data, lm_loss, tiny_gpt
+from runtime_cases import OPTIMIZERS, gpt_case, gpt_plan, lm_data, lm_loss, planned_schedule_case, tiny_gpt
 from partitioner.plan import PlanError
 
 MLP4 = [[0, 1], [2, 3, 4], [5, 6], [7, 8]]
@@ -107,6 +107,27 @@ def test_a_schedule_that_cannot_run_is_refused_with_what_runs():
     with pytest.raises(PlanError, match=r"straight pipeline; the plan replicates stages \[0\]"):
         Flush(4, "zb_h1").check(SimpleNamespace(replicas=(2, 1)))  # type: ignore[arg-type]
     assert PipelineConfig(mode="flush", schedule="gpipe").schedule == "gpipe"
+
+
+def test_schedule_plan_runs_the_schedule_the_plan_records():
+    """``PipelineConfig(schedule="plan")``: flush mode runs what ``pipedream-partition --schedule`` recorded; a
+    plan that records none, PipeDream's asynchronous 1F1B or a table stops every rank with one line saying what to
+    pass instead."""
+    default = [str(a) for a in synchronous("1f1b", 0, 0, [1, 1], 0, 4, 4)]
+    for name in ("zb_h1", "gpipe"):
+        got = run_world(planned_schedule_case, 2, name)
+        for stage in (0, 1):
+            assert got[stage][1] == [str(a) for a in synchronous(name, stage, 0, [1, 1], 0, 4, 4)]
+        assert got[0][1] != default  # the plan's choice, not the default 1F1B
+    for recorded, said in [(None, "the plan records no schedule"),
+                           ("pipedream", "the plan chose PipeDream's asynchronous 1F1B"),
+                           ("zb4.csv", "the plan chose the table 'zb4.csv'")]:
+        out = run_world(planned_schedule_case, 2, recorded, expect_failure=True)
+        assert all(not out[r][0] and out[r][1][0] == "PlanError" for r in (0, 1))
+        msgs = {out[r][1][1] for r in (0, 1)}
+        assert len(msgs) == 1 and msgs.pop().startswith(f"schedule 'plan': {said}")
+    with pytest.raises(ValueError, match="schedule 'plan' is flush mode's schedule as the plan records it"):
+        PipelineConfig(mode="stash", schedule="plan")
 
 
 def test_a_weight_gradient_before_its_input_gradient_deadlocks_in_the_simulator():
