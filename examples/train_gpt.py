@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 from examples.gpt import GPT, gpt  # noqa: E402
 from examples.text_data import TextData, decode  # noqa: E402
 from examples.train_digits import round_steps  # noqa: E402
-from partitioner.plan import Plan, PlanError, load_plan  # noqa: E402
+from partitioner.plan import Plan, load_plan  # noqa: E402
 import pipedream_ft  # noqa: E402
 from pipedream_ft import CheckpointConfig, PipelineConfig, PipelineSetupError, PipelineTrainer  # noqa: E402
 from pipedream_ft.pipeline.modes import MODES, Mode, make_mode  # noqa: E402
@@ -137,13 +137,7 @@ def default_lr(optimizer: str, delay: int) -> float:
 
 def _mode_of(args: argparse.Namespace, plan: Plan, rank: int) -> tuple[Mode, Topology]:
     """The library's mode for the arguments, checked against ``rank``'s place in the plan."""
-    schedule = args.schedule
-    if schedule == "plan":
-        try:
-            schedule = planned_schedule(plan.settings)
-        except ValueError as exc:
-            raise PlanError(str(exc)) from None
-    mode = make_mode(args.mode, args.flush_every, args.update_every, schedule)
+    mode = make_mode(args.mode, args.flush_every, args.update_every, planned_schedule(args.schedule, plan.settings))
     topo = Topology.of(plan, rank)
     mode.check(topo)
     return mode, topo

@@ -22,20 +22,25 @@ PLANNED = "plan"
 """``PipelineConfig(schedule="plan")``: flush mode runs the schedule the plan records (:func:`planned_schedule`)."""
 
 
-def planned_schedule(settings: dict) -> str:
-    """The synchronous schedule ``pipedream-partition --schedule`` chose and recorded in a plan's ``settings``
-    (``settings["schedule"]["name"]``). Raises ValueError, saying what to pass instead, for a plan that records
-    none, chose PipeDream's asynchronous 1F1B, or chose a table (whose path the plan does not hold)."""
+def planned_schedule(schedule: ScheduleSpec, settings: dict) -> ScheduleSpec:
+    """``schedule`` as given, unless it is ``"plan"``: then the synchronous schedule ``pipedream-partition
+    --schedule`` chose and recorded in a plan's ``settings`` (``settings["schedule"]["name"]``). Raises
+    :class:`~partitioner.plan.PlanError`, saying what to pass instead, for a plan that records none, chose
+    PipeDream's asynchronous 1F1B, or chose a table (whose path the plan does not hold)."""
+    from partitioner.plan import PlanError
+
+    if schedule != PLANNED:
+        return schedule
     record = settings.get("schedule")
     name = record.get("name") if isinstance(record, dict) else None
     if not isinstance(name, str):
-        raise ValueError("schedule 'plan': the plan records no schedule (pipedream-partition ... --schedule auto "
+        raise PlanError("schedule 'plan': the plan records no schedule (pipedream-partition ... --schedule auto "
                          "records one); pass PipelineConfig(schedule=NAME)")
     if name == "pipedream":
-        raise ValueError("schedule 'plan': the plan chose PipeDream's asynchronous 1F1B, which mode 'flush' does "
+        raise PlanError("schedule 'plan': the plan chose PipeDream's asynchronous 1F1B, which mode 'flush' does "
                          "not run; train it with PipelineConfig(mode='stash')")
     if name not in SYNCHRONOUS:
-        raise ValueError(f"schedule 'plan': the plan chose the table {name!r}, which it does not hold; pass that "
+        raise PlanError(f"schedule 'plan': the plan chose the table {name!r}, which it does not hold; pass that "
                          "file's path as the schedule")
     return name
 

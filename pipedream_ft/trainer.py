@@ -38,7 +38,7 @@ from partitioner.plan import Plan, PlanError
 from profiler.profile import Profile
 
 from .checkpoint import Storage
-from .config import PLANNED, PipelineConfig, TrainResult, planned_schedule
+from .config import PipelineConfig, TrainResult, planned_schedule
 from .env import DistEnv, read_env
 from .errors import InvalidArgument, JobError, PipelineSetupError, mark_training, say
 from .ft import cuts
@@ -130,13 +130,8 @@ class PipelineTrainer:
             raise PlanError(f"the profile (hash {profile.structure_hash()[:12]}) is not the plan's model "
                             f"(hash {plan.profile_hash[:12]})")
         self.original_plan = plan
-        schedule = config.schedule
-        if schedule == PLANNED:
-            try:
-                schedule = planned_schedule(plan.settings)
-            except ValueError as exc:
-                raise PlanError(str(exc)) from None
-        self.mode: Mode = make_mode(config.mode, config.flush_every, config.update_every, schedule)
+        self.mode: Mode = make_mode(config.mode, config.flush_every, config.update_every,
+                                    planned_schedule(config.schedule, plan.settings))
         if plan.world_size != env.world_size and len(ml.names) == plan.num_layers:
             plan = replan_for_world(plan, self.profile, env.world_size, rank=env.rank,
                                     storage=Storage(checkpoint.url, checkpoint.storage_options)
