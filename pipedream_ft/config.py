@@ -14,7 +14,7 @@ from .pipeline.executor import RankStats
 from .pipeline.modes import MODES
 from .pipeline.precision import LossScale, check_autocast
 from .pipeline.schedule import SYNCHRONOUS
-from .schedules.window import ScheduleSpec, WindowSchedule, resolve_schedule
+from .schedules.window import VIRTUAL, ScheduleSpec, WindowSchedule, resolve_schedule
 
 __all__ = ["PipelineConfig", "TrainResult", "check_schedule", "planned_schedule"]
 
@@ -39,7 +39,7 @@ def planned_schedule(schedule: ScheduleSpec, settings: dict) -> ScheduleSpec:
     if name == "pipedream":
         raise PlanError("schedule 'plan': the plan chose PipeDream's asynchronous 1F1B, which mode 'flush' does "
                          "not run; train it with PipelineConfig(mode='stash')")
-    if name not in SYNCHRONOUS:
+    if name not in SYNCHRONOUS + VIRTUAL:
         raise PlanError(f"schedule 'plan': the plan chose the table {name!r}, which it does not hold; pass that "
                          "file's path as the schedule")
     return name
@@ -49,8 +49,6 @@ def planned_schedule(schedule: ScheduleSpec, settings: dict) -> ScheduleSpec:
 def check_schedule(schedule: str | WindowSchedule, mode: str, flush_every: int | None = None) -> None:
     """Raise ValueError, naming what runs, unless ``mode`` runs ``schedule`` (with ``flush_every`` minibatches
     per window, for a schedule given as data)."""
-    from .schedules import SCHEDULES
-
     if isinstance(schedule, WindowSchedule):
         if mode != "flush":
             raise ValueError(f"the schedule {schedule} is synchronous (mode 'flush'); mode {mode!r} runs "
@@ -58,13 +56,12 @@ def check_schedule(schedule: str | WindowSchedule, mode: str, flush_every: int |
         if flush_every is not None:
             schedule.check_window(flush_every)
         return
+    runnable = ", ".join(SYNCHRONOUS + VIRTUAL)
     if schedule == "pipedream":
         raise ValueError("schedule 'pipedream' is the asynchronous modes' (mode 'stash' or 'vertical'); mode "
-                         f"'flush' runs {', '.join(SYNCHRONOUS)}")
-    if schedule not in SYNCHRONOUS:
-        why = ("runs several stages per rank, which the runtime does not run yet (`python -m pipedream_ft.schedules "
-               f"{schedule}` simulates it)") if schedule in SCHEDULES else "is unknown"
-        raise ValueError(f"schedule {schedule!r} {why}; mode 'flush' runs {', '.join(SYNCHRONOUS)}")
+                         f"'flush' runs {runnable}")
+    if schedule not in SYNCHRONOUS + VIRTUAL:
+        raise ValueError(f"schedule {schedule!r} is unknown; mode 'flush' runs {runnable}")
     if schedule != "1f1b" and mode != "flush":
         raise ValueError(f"schedule {schedule!r} is a synchronous schedule (mode 'flush'); mode {mode!r} runs "
                          "PipeDream's asynchronous 1F1B")

@@ -23,6 +23,7 @@ evaluation (:mod:`~pipedream_ft.pipeline.evaluate`) and the final model (:mod:`~
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
 import logging
@@ -72,6 +73,7 @@ from .pipeline.state import StageState
 from .pipeline.stepper import Stepper
 from .pipeline.tied import TiedParameters, find_tied, tie_declared
 from .pipeline.topology import Topology
+from .pipeline.turns import Turns
 
 __all__ = ["MODES", "EvalResult", "LossScale", "PipelineConfig", "RankStats", "TrainResult", "PipelineTrainer",
            "release_all"]
@@ -93,6 +95,19 @@ class PipelineTrainer:
     group); :meth:`close` releases them.
     """
 
+    def __new__(cls, model: Any, plan: Plan, *, config: PipelineConfig | None = None, env: DistEnv | None = None,
+                turns: Turns | None = None, **kwargs: Any) -> Any:
+        """A :class:`~pipedream_ft.virtual.VirtualTrainer` instead when the schedule gives a process several of the
+        plan's stages (see :mod:`pipedream_ft.virtual`)."""
+        if cls is PipelineTrainer and turns is None:
+            from .virtual import VirtualTrainer, virtual_layout
+
+            conf = config or PipelineConfig()
+            world = (env or read_env()).world_size
+            if virtual_layout(planned_schedule(conf.schedule, plan.settings), plan, world, conf.flush_every):
+                return VirtualTrainer(model, plan, config=config, env=env, **kwargs)
+        return super().__new__(cls)
+
     def __init__(
         self,
         model: nn.Module | Callable[[], nn.Module],
@@ -107,7 +122,11 @@ class PipelineTrainer:
         profile: Profile | None = None,
         scheduler_factory: SchedulerFactory | None = None,
         tied_parameters: Sequence[Sequence[str]] = (),
+        turns: Turns | None = None,
     ) -> None:
+        self.turns = turns
+        """The turns this stage takes with the other stages of its process (virtual stages, see
+        :mod:`pipedream_ft.virtual`); ``None``: the process runs this stage alone."""
         self.config = config = config or PipelineConfig()
         self.timeline: dict[str, float] = {"start": time.time()}
         """Wall-clock times of this process's milestones: start, joined (its process groups built), restored,
@@ -464,7 +483,7 @@ class PipelineTrainer:
         """Run the schedule from the current position to ``stop``. Returns ``None`` when done, or — with in-place
         recovery — why the group failed (the exception and its frames, which hold pending operations, are gone
         by the time the caller recovers)."""
-        ex = self.executor
+        ex, turns = self.executor, self.turns
         try:
             feed = self._feed
             assert feed is not None
@@ -472,11 +491,14 @@ class PipelineTrainer:
                 feed.prepare(self.position)
                 ex.preflight(feed)
             actions = self.schedule(self.position, stop)
+            if turns is not None:
+                turns.begin(self.topo.stage, self.position, stop)
             for action, ahead in zip(actions, receives_ahead(actions)):
                 for b in ahead:
                     ex.post_activation_recv(b)
                 self.hooks.on_action(action)
-                ex.run(action, feed)
+                with turns.turn(action) if turns is not None else contextlib.nullcontext():
+                    ex.run(action, feed)
                 if self.ckpt is not None:
                     self.ckpt.announce_preemption()
             if self.state.tied:
@@ -490,6 +512,9 @@ class PipelineTrainer:
             raise
         except PeerTimeoutError as exc:
             return self._peer_failure(exc)
+        finally:
+            if turns is not None:
+                turns.leave(self.topo.stage)
 
     def _peer_failure(self, exc: PeerTimeoutError) -> str:
         """A peer's failure seen by :meth:`_run` or :meth:`_gather_losses`: the job's error if one was published

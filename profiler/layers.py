@@ -22,6 +22,7 @@ stage in every plan (:mod:`profiler.together`); :attr:`LayerGraph.keep_together`
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,11 +203,17 @@ class _PipelineTracer(torch.fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
 
+_TRACING = threading.Lock()
+"""torch.fx patches ``nn.Module.__call__`` while it traces: one trace at a time in a process (a process that holds
+several stages builds them on threads of their own)."""
+
+
 def _trace(model: nn.Module) -> torch.fx.GraphModule:
     leaves = leaf_module_types(model)
     try:
         tracer = _PipelineTracer(leaves)
-        graph = tracer.trace(model)
+        with _TRACING:
+            graph = tracer.trace(model)
         return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # tracing raises many kinds of errors
         first = one_line(str(exc).splitlines()[0] if str(exc) else "")

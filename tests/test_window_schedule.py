@@ -54,7 +54,7 @@ def test_a_closing_update_is_dropped_and_the_runtime_adds_its_own():
 
 @pytest.mark.parametrize("change, error", [
     (lambda t: t.update({1: [a.replace("1", "2", 1) for a in t[1]]}),
-     "rank 1 holds 2F0, an action of stage 2; the runtime runs one stage per rank"),
+     r"stage 2 runs on two ranks: 1 and 2 \(2F0\)"),
     (lambda t: t.update({0: t[0][:-1]}), r"stage 0 runs 0F3, 0I3 for minibatch 3; expected 0F3 and either 0B3 or "
                                           r"0I3 then 0W3, once each"),
     (lambda t: t.update({3: [a for a in t[3] if a != "3F2"]}), r"stage 3 runs the forwards of minibatches \[0, 1, 3\]"),

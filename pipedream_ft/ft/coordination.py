@@ -82,20 +82,25 @@ FORMED = "formed"
 FAILED = "failed"
 
 _BASE: dist.Store | None = None
-_BASE_ADDR: tuple[str, int, int] | None = None
+_BASES: dict[tuple[str, int, int, int], dist.Store] = {}
 
 
 def base_store(env: DistEnv, timeout_s: float) -> dist.Store:
-    """This process's connection to the job's store (one per process, reused by every epoch; a forked process
-    opens its own: two processes must never share one connection)."""
-    global _BASE, _BASE_ADDR
-    addr = (env.master_addr, env.master_port, os.getpid())
-    if _BASE is None or _BASE_ADDR != addr:
+    """This rank's connection to the job's store (one per rank of a process, reused by every epoch; a forked
+    process opens its own: two processes must never share one connection). The stages of one process (virtual
+    stages, see :mod:`pipedream_ft.virtual`) are ranks of their own, each with its own connection: one that
+    waits for a key holds its connection meanwhile."""
+    global _BASE
+    addr = (env.master_addr, env.master_port, os.getpid(), env.rank)
+    if addr not in _BASES:
+        if _BASES and next(iter(_BASES))[2] != os.getpid():
+            _BASES.clear()  # the parent's, before a fork
         is_host = env.rank == 0 and not env.use_agent_store
-        _BASE = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=is_host,
-                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-        _BASE_ADDR = addr
-    return _BASE
+        _BASES[addr] = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=is_host,
+                                     timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        if len(_BASES) == 1:
+            _BASE = _BASES[addr]  # the process's first
+    return _BASES[addr]
 
 
 def job_store(env: DistEnv | None = None, timeout_s: float = 60.0) -> dist.Store | None:

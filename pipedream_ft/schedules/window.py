@@ -1,19 +1,21 @@
 """A synchronous schedule given as data: a table (CSV) or a Python mapping, checked once, run by ``flush`` mode.
 
-A :class:`WindowSchedule` holds what each rank runs in one window of ``M`` microbatches, one stage per rank
-(rank ``r`` runs stage ``r``), in :mod:`pipedream_ft.schedules`' spelling: ``2F5``, ``1I0``, ``0W3``, ``3B1``.
-The table's convention is torchtitan's: one row per rank, one action per cell, an empty cell an idle slot
-(``python -m pipedream_ft.schedules zb_h1 --ranks 4 --microbatches 8 --csv zb.csv`` writes one to start from).
+A :class:`WindowSchedule` holds what each rank runs in one window of ``M`` microbatches, in
+:mod:`pipedream_ft.schedules`' spelling: ``2F5``, ``1I0``, ``0W3``, ``3B1``. The table's convention is
+torchtitan's: one row per rank, one action per cell, an empty cell an idle slot (``python -m
+pipedream_ft.schedules zb_h1 --ranks 4 --microbatches 8 --csv zb.csv`` writes one to start from). A rank may hold
+several stages (*virtual stages*: interleaved 1F1B, ZBV, DualPipeV); where each stage runs is read from the rows
+(:attr:`WindowSchedule.placement`), and :func:`virtual_schedule` builds a named one.
 
 The runtime runs each row window after window (minibatch ``m`` of window ``w`` is minibatch ``w M + m``), then
-one update per window: minibatch SGD, whatever the order inside the window, so a run may resume under another
-schedule. Sends and receives in the table are allowed and skipped: the compute actions imply them (``F`` receives
-its input and sends its output, ``B``/``I`` receive and send the gradient). A ``U`` may only end a row.
+one update per stage per window: minibatch SGD, whatever the order inside the window, so a run may resume under
+another schedule. Sends and receives in the table are allowed and skipped: the compute actions imply them (``F``
+receives its input and sends its output, ``B``/``I`` receive and send the gradient). A ``U`` may only end a row.
 
 Checked when the schedule is made, each failure a :class:`ValueError` naming the rank, the action or the
-minibatch: ranks are ``0..S-1``; a rank runs only its own stage; every stage runs, for each minibatch
-``0..M-1``, one ``F`` and either one ``B`` or one ``I`` then one ``W``, after its ``F``; forwards run in minibatch
-order; and the whole table runs to the end (:func:`~pipedream_ft.schedules.simulate` names the actions
+minibatch: ranks are ``0..R-1`` and stages ``0..S-1``; each stage runs on one rank; every stage runs, for each
+minibatch ``0..M-1``, one ``F`` and either one ``B`` or one ``I`` then one ``W``, after its ``F``; forwards run in
+minibatch order; and the whole table runs to the end (:func:`~pipedream_ft.schedules.simulate` names the actions
 that would wait for ever, and checks the table's sends and receives where it has them). Whether it fits a plan
 (``S`` stages, none replicated) is checked against the plan (:meth:`WindowSchedule.check_plan`).
 """
@@ -28,10 +30,14 @@ from typing import Mapping, Sequence, Union
 from .actions import COMMUNICATION, Action, Kind, parse_action
 from .costs import Costs
 from .errors import ScheduleError
+from .placement import stage_to_rank
 from .simulate import simulate
 from .tables import load_csv
 
-__all__ = ["WindowSchedule", "resolve_schedule"]
+__all__ = ["WindowSchedule", "resolve_schedule", "virtual_schedule", "VIRTUAL"]
+
+VIRTUAL = ("interleaved_1f1b", "interleaved_zero_bubble", "looped_bfs", "zbv", "dualpipev")
+"""The named schedules that give a rank several stages (see :func:`virtual_schedule`)."""
 
 _BACKWARD_KINDS = (Kind.B, Kind.I, Kind.W)
 
@@ -47,6 +53,11 @@ class WindowSchedule:
     """``M``: minibatches per window (the ``flush_every`` it runs with)."""
     source: str
     """Where it came from: the table's path, or ``"python"``."""
+    rows: tuple[tuple[Action, ...], ...] = ()
+    """``rows[r]``: rank ``r``'s compute actions in one window, in the order it runs them (its stages'
+    interleaved; one stage per rank: ``orders[r]``)."""
+    placement: tuple[int, ...] = ()
+    """``placement[s]``: the rank that runs stage ``s``."""
 
     @staticmethod
     def of(schedule: Mapping[int, Sequence[Action | str | None]], source: str = "python") -> WindowSchedule:
@@ -62,13 +73,19 @@ class WindowSchedule:
                 rows[rank] = [parse_action(a) if isinstance(a, str) else a for a in schedule[rank] if a is not None]
             except ValueError as exc:
                 raise ValueError(f"schedule {source}, rank {rank}: {exc}") from None
-        orders = [tuple(_row(source, rank, rows[rank])) for rank in ranks]
+        try:
+            where = stage_to_rank(rows)
+        except ScheduleError as exc:
+            raise ValueError(f"schedule {source}: {exc}") from None
+        merged = [tuple(_row(source, rank, rows[rank])) for rank in ranks]
+        orders = [tuple(a for a in merged[where[s]] if a.stage == s) for s in range(len(where))]
         microbatches = _check_minibatches(source, orders)
         try:  # the table as given (its sends and receives too, where it has them), every action one tick
-            simulate(rows, Costs.uniform(len(ranks)))
+            simulate(rows, Costs.uniform(len(where)))
         except ScheduleError as exc:
             raise ValueError(f"schedule {source} cannot run to its end: {exc}") from None
-        return WindowSchedule(tuple(orders), microbatches, source)
+        return WindowSchedule(tuple(orders), microbatches, source, tuple(merged),
+                              tuple(where[s] for s in range(len(where))))
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> WindowSchedule:
@@ -83,17 +100,45 @@ class WindowSchedule:
     def num_stages(self) -> int:
         return len(self.orders)
 
+    @property
+    def num_ranks(self) -> int:
+        return len(self.rows)
+
+    @property
+    def virtual(self) -> bool:
+        """Whether a rank holds several stages."""
+        return self.num_ranks < self.num_stages
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages rank ``rank`` runs, in order."""
+        return [s for s, r in enumerate(self.placement) if r == rank]
+
+    def rank_actions(self, rank: int, start: int, stop: int) -> list[Action]:
+        """Rank ``rank``'s actions for minibatches ``[start, stop)`` (whole windows), all its stages' together in
+        the order it runs them: each window's row, then the window's update of each of its stages. Its
+        projection on a stage is :meth:`actions` of that stage."""
+        m = self._windows(start, stop)
+        out: list[Action] = []
+        for w in range(start // m, stop // m):
+            out += [Action(a.stage, a.kind, w * m + a.index) for a in self.rows[rank]]
+            out += [Action(s, Kind.U, w) for s in self.stages_of(rank)]
+        return out
+
     def actions(self, stage: int, start: int, stop: int) -> list[Action]:
         """Stage ``stage``'s actions for minibatches ``[start, stop)`` (whole windows): each window's row, its
         minibatches shifted into place, then the window's update."""
-        m = self.microbatches
-        if start % m or stop % m or not 0 <= start <= stop:
-            raise ValueError(f"minibatches [{start}, {stop}) are not whole windows of {m}")
+        m = self._windows(start, stop)
         out: list[Action] = []
         for w in range(start // m, stop // m):
             out += [Action(stage, a.kind, w * m + a.index) for a in self.orders[stage]]
             out.append(Action(stage, Kind.U, w))
         return out
+
+    def _windows(self, start: int, stop: int) -> int:
+        m = self.microbatches
+        if start % m or stop % m or not 0 <= start <= stop:
+            raise ValueError(f"minibatches [{start}, {stop}) are not whole windows of {m}")
+        return m
 
     def check_window(self, flush_every: int) -> None:
         """Raise ValueError unless this schedule's window is ``flush_every`` minibatches."""
@@ -104,8 +149,8 @@ class WindowSchedule:
     def check_plan(self, replicas: Sequence[int]) -> str | None:
         """Why a plan whose stages have ``replicas`` replicas cannot run this schedule (``None``: it can)."""
         if len(replicas) != self.num_stages:
-            return (f"the schedule {self.source} has {self.num_stages} stages (one per rank), the plan "
-                    f"{len(replicas)}")
+            per_rank = "one per rank" if not self.virtual else f"on {self.num_ranks} ranks"
+            return f"the schedule {self.source} has {self.num_stages} stages ({per_rank}), the plan {len(replicas)}"
         if any(r != 1 for r in replicas):
             return (f"the schedule {self.source} runs a straight pipeline; the plan replicates stages "
                     f"{[s for s, r in enumerate(replicas) if r != 1]} (schedule '1f1b' runs it)")
@@ -127,10 +172,6 @@ def _row(source: str, rank: int, row: list[Action]) -> list[Action]:
     for i, a in enumerate(row):
         if not isinstance(a, Action):
             raise ValueError(f"schedule {source}, rank {rank}: {a!r} is not an action")
-        if a.stage != rank:
-            raise ValueError(f"schedule {source}: rank {rank} holds {a}, an action of stage {a.stage}; the runtime "
-                             f"runs one stage per rank (rank {rank} runs stage {rank}). Schedules of several stages "
-                             "per rank are simulated by `python -m pipedream_ft.schedules`")
         if a.kind in COMMUNICATION:
             continue
         if a.kind == Kind.U:
@@ -192,3 +233,15 @@ def resolve_schedule(value: ScheduleSpec) -> str | WindowSchedule:
         return value
     raise TypeError(f"schedule must be a name, a table's path (.csv) or a mapping rank -> actions, got "
                     f"{type(value).__name__}")
+
+
+def virtual_schedule(name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None) -> WindowSchedule:
+    """The named schedule of several stages per rank (one of :data:`VIRTUAL`) for ``ranks`` ranks and windows of
+    ``microbatches`` minibatches, as a checked :class:`WindowSchedule` (``stages_per_rank``: the looped schedules'
+    ``v``, default 2; the V schedules hold 2)."""
+    from .catalog import build
+
+    if name not in VIRTUAL:
+        raise ValueError(f"schedule {name!r} is not one of several stages per rank ({', '.join(VIRTUAL)})")
+    built = build(name, ranks, microbatches, stages_per_rank)
+    return WindowSchedule.of(built.schedule, name)

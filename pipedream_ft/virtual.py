@@ -1,0 +1,278 @@
+"""Virtual stages: a process that holds several stages of the plan (interleaved 1F1B, ZBV, DualPipeV).
+
+``PipelineTrainer(model, plan, config=PipelineConfig(mode="flush", schedule="interleaved_1f1b"))`` on ``W``
+processes, with a plan of ``S = v W`` stages, gives each process ``v`` stages (where the schedule places them:
+stage ``s`` on rank ``s % W`` for the looped schedules; ``r`` and ``2W - 1 - r`` for the V schedules). It returns
+a :class:`VirtualTrainer`, the facade of this module, with the trainer's methods.
+
+Each stage is a whole :class:`~pipedream_ft.trainer.PipelineTrainer` of its own on a thread of its own: a
+*logical rank* of a job of ``S`` ranks (process ``w``'s ``k``-th stage is logical rank ``w v + k``, so a machine's
+logical ranks stay consecutive) with its own process groups, checkpoint parts, cuts and in-place recovery. That
+is how every fault-tolerance path works under these schedules unchanged: a checkpoint is the logical ranks'
+parts, a process that dies takes its logical ranks with it, and its replacement brings them back. What the
+stages of a process share is their turns (:class:`~pipedream_ft.pipeline.turns.Turns`): they take their
+actions one at a time in the order the schedule gives the process.
+
+Tags and links need nothing new: two stages of one process are two ranks, and every message travels on their
+own pair's links. Under NCCL, two logical ranks on one GPU cannot share a communicator, so a schedule whose
+neighbouring stages (or tied weights) meet on one process — the V schedules — needs gloo; interleaved 1F1B on two
+or more processes never puts two neighbours on one.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import queue
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from partitioner.plan import Plan, PlanError
+
+from .config import PipelineConfig, TrainResult, planned_schedule
+from .env import DistEnv, read_env
+from .pipeline.executor import RankStats
+from .pipeline.group import PeerTimeoutError
+from .pipeline.turns import Turns
+from .schedules.window import VIRTUAL, WindowSchedule, resolve_schedule, virtual_schedule
+
+__all__ = ["VirtualTrainer", "virtual_layout"]
+
+_V_SHAPED = ("zbv", "dualpipev")
+
+
+def virtual_layout(schedule: Any, plan: Plan, world_size: int, flush_every: int) -> WindowSchedule | None:
+    """The schedule of several stages per process that ``schedule`` (a config's, ``"plan"`` resolved) gives
+    ``plan`` on ``world_size`` processes; ``None`` for a schedule of one stage per process. Raises
+    :class:`PlanError` when the plan's stages cannot be laid out that way."""
+    if isinstance(schedule, str) and schedule in VIRTUAL:
+        stages = plan.num_stages
+        if schedule in _V_SHAPED:
+            if stages != 2 * world_size:
+                raise PlanError(f"schedule {schedule!r} runs 2 stages per process in a V: the plan has {stages} "
+                                f"stages for {world_size} processes (plan {2 * world_size})")
+            per_rank = None
+        else:
+            if stages % world_size or stages // world_size < 2:
+                raise PlanError(f"schedule {schedule!r} runs v >= 2 stages per process: the plan has {stages} "
+                                f"stages for {world_size} processes (plan a multiple of {world_size}, at least "
+                                f"{2 * world_size})")
+            per_rank = stages // world_size
+        try:
+            return virtual_schedule(schedule, world_size, flush_every, per_rank)
+        except ValueError as exc:
+            raise PlanError(f"schedule {schedule!r} on {world_size} processes: {exc}") from None
+    if isinstance(schedule, WindowSchedule) and schedule.virtual:
+        if schedule.num_ranks != world_size or schedule.num_stages != plan.num_stages:
+            raise PlanError(f"the schedule {schedule} runs {schedule.num_stages} stages on {schedule.num_ranks} "
+                            f"ranks; the plan has {plan.num_stages} stages and the job {world_size} processes")
+        return schedule
+    return None
+
+
+def _logical_plan(plan: Plan, layout: WindowSchedule) -> Plan:
+    """``plan`` with each stage on its logical rank (process ``w``'s ``k``-th stage: ``w v + k``)."""
+    v = layout.num_stages // layout.num_ranks
+    replicated = [s.index for s in plan.stages if s.replicas != 1]
+    if replicated:
+        raise PlanError(f"virtual stages run a straight pipeline; the plan replicates stages {replicated}")
+    ranks = {s: w * v + layout.stages_of(w).index(s) for s, w in enumerate(layout.placement)}
+    stages = tuple(dataclasses.replace(s, ranks=(ranks[s.index],)) for s in plan.stages)
+    return dataclasses.replace(plan, stages=stages)
+
+
+class _StageThread:
+    """One stage's thread: builds its trainer, then runs what it is given, one call at a time."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.Queue[tuple[Callable[[], Any], queue.Queue[tuple[bool, Any]]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._calls.get()
+            if item is None:
+                return
+            fn, reply = item
+            try:
+                reply.put((True, fn()))
+            except BaseException as exc:  # handed to the caller's thread
+                reply.put((False, exc))
+
+    def submit(self, fn: Callable[[], Any]) -> queue.Queue[tuple[bool, Any]]:
+        reply: queue.Queue[tuple[bool, Any]] = queue.Queue()
+        self._calls.put((fn, reply))
+        return reply
+
+    def stop(self) -> None:
+        self._calls.put(None)
+
+
+class VirtualTrainer:
+    """This process's stages of a plan of virtual stages (see the module docstring); made by
+    :class:`~pipedream_ft.trainer.PipelineTrainer` when the schedule gives a process several stages, with its
+    arguments."""
+
+    def __init__(self, model: nn.Module | Callable[[], nn.Module], plan: Plan, *,
+                 config: PipelineConfig | None = None, env: DistEnv | None = None, **kwargs: Any) -> None:
+        from .trainer import PipelineTrainer
+
+        self.config = config = config or PipelineConfig()
+        self.env = env = env or read_env()
+        schedule = resolve_schedule(planned_schedule(config.schedule, plan.settings))
+        layout = virtual_layout(schedule, plan, env.world_size, config.flush_every)
+        if layout is None:
+            raise PlanError(f"the schedule {schedule} runs one stage per process")
+        if config.mode != "flush":
+            raise PlanError(f"virtual stages run in mode 'flush', got {config.mode!r}")
+        self.layout = layout
+        self.plan = plan
+        self.stage_indices = layout.stages_of(env.rank)
+        """The stages this process holds, in order."""
+        v = len(self.stage_indices)
+        logical = _logical_plan(plan, layout)
+        if not isinstance(model, nn.Module):
+            model = model()
+        copies = [model] + [copy.deepcopy(model) for _ in range(v - 1)]  # one per stage: each keeps its layers
+        sub_config = dataclasses.replace(config, schedule=layout)
+        self.turns = Turns(layout, env.rank, config.timeout_s)
+        self._threads = [_StageThread(f"pipedream-ft-stage-{s}") for s in self.stage_indices]
+
+        def build(k: int) -> Callable[[], PipelineTrainer]:
+            sub_env = dataclasses.replace(env, rank=env.rank * v + k, world_size=env.world_size * v,
+                                          local_world_size=env.local_world_size * v)
+            return lambda: PipelineTrainer(copies[k], logical, config=sub_config, env=sub_env, turns=self.turns,
+                                           **kwargs)
+
+        self.trainers: list[PipelineTrainer] = self._all([build(k) for k in range(v)], cleanup=False)
+        """One trainer per stage of this process, in stage order."""
+        del copies, model
+
+    # -- running on every stage -------------------------------------------------------------------------------
+
+    def _all(self, calls: Sequence[Callable[[], Any]], *, cleanup: bool = True) -> list[Any]:
+        """Run ``calls[k]`` on stage ``k``'s thread, all at once (they are collectives of the logical ranks);
+        return their results. When one fails, the others' groups are released so that none waits for it, and
+        the root cause is raised: the first error that is not a peer's failure seen from another stage."""
+        replies = [t.submit(c) for t, c in zip(self._threads, calls)]
+        results: list[Any] = [None] * len(replies)
+        errors: list[BaseException] = []
+        pending = list(range(len(replies)))
+        while pending:
+            for k in list(pending):
+                try:
+                    ok, value = replies[k].get_nowait()
+                except queue.Empty:
+                    continue
+                pending.remove(k)
+                if ok:
+                    results[k] = value
+                else:
+                    errors.append(value)
+                    if len(errors) == 1:
+                        self._release_others(cleanup)
+            if pending:
+                time.sleep(0.01)
+        if errors:
+            causes = [e for e in errors if not isinstance(e, PeerTimeoutError)] or errors
+            raise causes[0]
+        return results
+
+    def _release_others(self, built: bool) -> None:
+        if not built:
+            return
+        for t in getattr(self, "trainers", []):
+            try:
+                t.release()
+            except Exception:  # the first error is what the caller sees
+                pass
+
+    def _each(self, fn: Callable[[Any], Any]) -> list[Any]:
+        return self._all([(lambda t=t: fn(t)) for t in self.trainers])
+
+    # -- the trainer's methods --------------------------------------------------------------------------------
+
+    def preflight(self, data: Any) -> None:
+        self._each(lambda t: t.preflight(data))
+
+    def train(self, data: Any, steps: int) -> TrainResult:
+        return self._merged(self._each(lambda t: t.train(data, steps)))
+
+    def fit(self, data: Any, total: int) -> TrainResult:
+        return self._merged(self._each(lambda t: t.fit(data, total)))
+
+    def evaluate(self, data: Any, steps: int, metric_fn: Any = None) -> Any:
+        return self._each(lambda t: t.evaluate(data, steps, metric_fn))[0]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return self._each(lambda t: t.full_state_dict())[0]
+
+    def save_model(self, path: str, format: str = "torch") -> None:
+        self._each(lambda t: t.save_model(path, format))
+
+    def save_pretrained(self, directory: str, max_shard_bytes: int = 5 * 10**9) -> None:
+        self._each(lambda t: t.save_pretrained(directory, max_shard_bytes))
+
+    def close(self) -> None:
+        try:
+            self._each(lambda t: t.close())
+        finally:
+            for t in self._threads:
+                t.stop()
+
+    def release(self) -> None:
+        for t in self.trainers:
+            t.release()
+
+    # -- views ------------------------------------------------------------------------------------------------
+
+    @property
+    def position(self) -> int:
+        return self.trainers[0].position
+
+    @property
+    def resumed_from(self) -> int | None:
+        return self.trainers[0].resumed_from
+
+    @property
+    def is_first(self) -> bool:
+        return 0 in self.stage_indices
+
+    @property
+    def is_last(self) -> bool:
+        return self.plan.num_stages - 1 in self.stage_indices
+
+    @property
+    def stats(self) -> RankStats:
+        return _merged_stats([t.stats for t in self.trainers])
+
+    @property
+    def recoveries(self) -> list[dict[str, Any]]:
+        return self.trainers[0].recoveries
+
+    @property
+    def timeline(self) -> dict[str, float]:
+        return self.trainers[0].timeline
+
+    def _merged(self, results: list[TrainResult]) -> TrainResult:
+        first = results[0]
+        return dataclasses.replace(first, stats=_merged_stats([r.stats for r in results]))
+
+
+def _merged_stats(parts: list[RankStats]) -> RankStats:
+    """A process's time over its stages: the times add up, the stash peaks too (each stage holds its own)."""
+    out = RankStats()
+    for p in parts:
+        out.forward_s += p.forward_s
+        out.backward_s += p.backward_s
+        out.update_s += p.update_s
+        out.wait_s += p.wait_s
+        out.peak_stash_versions += p.peak_stash_versions
+        out.peak_stash_bytes += p.peak_stash_bytes
+    out.minibatches = parts[0].minibatches if parts else 0
+    return out
