@@ -10,7 +10,7 @@ from partitioner.plan import PlanError
 from pipedream_ft import PipelineConfig
 from pipedream_ft.pipeline.modes import Flush, make_mode
 from pipedream_ft.pipeline.schedule import synchronous
-from pipedream_ft.schedules.window import WindowSchedule, resolve_schedule
+from pipedream_ft.schedules.window import WindowSchedule, resolve_schedule, virtual_schedule
 from pipedream_ft.schedules import add_communication, build, parse_action, save_csv
 
 pytestmark = pytest.mark.timeout(60)
@@ -125,3 +125,23 @@ def test_flush_mode_checks_the_plan_against_the_table():
         mode.check(SimpleNamespace(replicas=(1, 2, 1, 1)))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="runs windows of 4 minibatches; flush_every is 2"):
         Flush(2, mixed())
+
+
+def test_a_rank_may_hold_several_stages_and_runs_their_actions_interleaved():
+    """Virtual stages: interleaved 1F1B on 2 ranks, 4 stages; each stage's actions are the rank's row projected on
+    it, and the rank's actions per window end with an update of each of its stages."""
+    built = virtual_schedule("interleaved_1f1b", 2, 4)
+    rows = {r: [str(a) for a in built.rows[r]] for r in (0, 1)}
+    table = WindowSchedule.of(rows)
+    assert table.virtual and table.num_ranks == 2 and table.num_stages == 4
+    assert table.placement == (0, 1, 0, 1) and table.stages_of(0) == [0, 2] and table.stages_of(1) == [1, 3]
+    assert table.orders == built.orders
+    got = [str(a) for a in table.rank_actions(0, 4, 8)]
+    assert got[-2:] == ["0U1", "2U1"] and got[:-2] == [f"{a.stage}{a.kind.value}{a.index + 4}" for a in built.rows[0]]
+    for stage in (0, 2):
+        assert table.actions(stage, 4, 8) == [a for a in table.rank_actions(0, 4, 8) if a.stage == stage]
+    assert table.check_plan([1] * 4) is None
+    assert table.check_plan([1] * 2) == "the schedule python has 4 stages (on 2 ranks), the plan 2"
+    with pytest.raises(ValueError, match="schedule 'gpipe' is not one of several stages per rank"):
+        virtual_schedule("gpipe", 2, 4)
+    assert virtual_schedule("zbv", 2, 4).placement == (0, 1, 1, 0)
