@@ -18,7 +18,9 @@ measured fixed cost per action and the links' latency. The
 plan records the choice and the ranking under ``settings["schedule"]``. ``--virtual-stages V`` adds the
 schedules of ``V`` stages per worker (interleaved 1F1B, interleaved zero-bubble, looped BFS; ZBV and DualPipeV
 for ``V = 2``) to the ranking, planned on ``workers x V`` straight stages at the slowest ``--bandwidth`` (or the
-machine's): on paper only, since the runtime runs one stage per rank. Errors print one line
+machine's); ``--schedule NAME`` of one of them implies them (``V = 2`` unless given). When one of them is chosen,
+the plan written is that one, of ``workers x V`` stages, to train on ``workers`` processes (see
+:mod:`pipedream_ft.virtual`). Errors print one line
 ``pipedream-partition: error: ...`` and exit with status 2; the output
 file is then left untouched.
 """
@@ -37,7 +39,7 @@ from .optimizer import partition
 from .machine import MachineProfile, load_machine
 from .plan import Plan, PlanError
 from .schedule_choice import (DEFAULT_WEIGHT_FRACTION, RUNNABLE, VIRTUAL, choose, format_ranking, rank_schedules,
-                              rank_virtual)
+                              rank_virtual, virtual_plan)
 
 __all__ = ["main", "format_plan", "layer_ranges", "FORMULAS"]
 
@@ -77,8 +79,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="share of every backward taken as the weight gradient, for the split schedules (default: "
                          "as the profiler measured it, 0.5 for layers it did not)")
     ap.add_argument("--virtual-stages", type=_VIRTUAL, default=None, metavar="V",
-                    help="with --schedule: also rank the schedules of V stages per worker (on paper: the runtime "
-                         "runs one stage per rank)")
+                    help="with --schedule: also rank the schedules of V stages per worker (a plan of workers x V "
+                         "stages, trained on the workers' processes)")
     ap.add_argument("-o", "--output", required=True, help="where to write the plan JSON")
     return ap
 
@@ -155,9 +157,8 @@ def _with_schedule(plan: Plan, profile: object, args: argparse.Namespace, machin
                    ) -> tuple[Plan, str]:
     """The plan with its schedule chosen (``settings["schedule"]``), and the ranking's table; with ``machine``,
     its measured costs are simulated too."""
-    if args.schedule in VIRTUAL:
-        raise PlanError(f"schedule {args.schedule!r} gives each worker several stages, which the runtime does not run "
-                        f"(it runs {', '.join(RUNNABLE)}); --schedule auto --virtual-stages V ranks it on paper")
+    if args.schedule in VIRTUAL and args.virtual_stages is None:
+        args.virtual_stages = 2
     tables = []
     if args.schedule.lower().endswith(".csv"):
         from pipedream_ft.schedules import WindowSchedule
@@ -173,15 +174,16 @@ def _with_schedule(plan: Plan, profile: object, args: argparse.Namespace, machin
             raise PlanError("--virtual-stages ranks the schedules of several stages per worker beside --schedule "
                             "auto, not beside a table")
         tables, args.microbatches = [table], table.microbatches
-    elif args.schedule != "auto" and args.schedule not in RUNNABLE:
-        raise PlanError(f"--schedule must be auto, one of {', '.join(RUNNABLE)} or a table's path (.csv), got "
-                        f"{args.schedule!r}")
+    elif args.schedule != "auto" and args.schedule not in RUNNABLE + VIRTUAL:
+        raise PlanError(f"--schedule must be auto, one of {', '.join(RUNNABLE + VIRTUAL)} or a table's path (.csv), "
+                        f"got {args.schedule!r}")
     m = args.microbatches or 2 * plan.num_stages
     ranking = rank_schedules(plan, profile, m, weight_fraction=args.weight_fraction,  # type: ignore[arg-type]
                              memory_bytes=args.memory, tables=tables, machine=machine)
+    workers = plan.world_size
     if args.virtual_stages is not None:
         bandwidth = min(machine.bandwidth if machine is not None else args.bandwidth)  # type: ignore[arg-type]
-        ranking = sorted(ranking + rank_virtual(profile, plan.world_size, m, bandwidth,  # type: ignore
+        ranking = sorted(ranking + rank_virtual(profile, workers, m, bandwidth,  # type: ignore
                                                 stages_per_worker=args.virtual_stages,
                                                 weight_fraction=args.weight_fraction, memory_bytes=args.memory,
                                                 machine=machine),
@@ -190,7 +192,10 @@ def _with_schedule(plan: Plan, profile: object, args: argparse.Namespace, machin
         chosen = choose(ranking)
     else:
         wanted = str(tables[0]) if tables else args.schedule
-        chosen = next(r for r in ranking if r.name == wanted)
+        chosen = next((r for r in ranking if r.name == wanted), None)
+        if chosen is None:  # ZBV and DualPipeV hold 2 stages per worker, DualPipeV at least as many minibatches
+            raise PlanError(f"schedule {wanted!r} cannot run {args.virtual_stages} stages per worker with {m} "
+                            "minibatches per step")
         if not chosen.fits:
             raise PlanError(f"schedule {chosen.name} needs {chosen.peak_memory_bytes:.4g} bytes per worker, over "
                             f"--memory {args.memory:.4g}")
@@ -200,13 +205,17 @@ def _with_schedule(plan: Plan, profile: object, args: argparse.Namespace, machin
                           else DEFAULT_WEIGHT_FRACTION if measured == 0
                           else f"measured, {DEFAULT_WEIGHT_FRACTION:g} where not")
     record = {"name": chosen.name, "microbatches": m, "weight_fraction": split, "machine": machine is not None,
+              "workers": workers, "stages_per_worker": chosen.stages_per_worker,
               "ranking": [{"name": r.name, "time_per_minibatch_s": r.time_per_minibatch_s, "bubble": r.bubble,
-                           "peak_memory_bytes": r.peak_memory_bytes, "fits": r.fits, "runnable": r.runnable,
+                           "peak_memory_bytes": r.peak_memory_bytes, "fits": r.fits,
                            "stages_per_worker": r.stages_per_worker} for r in ranking]}
     if chosen.name == "pipedream":
         how = "PipelineConfig(mode='stash')  (asynchronous: PipeDream's weight stashing)"
     else:
         how = f"PipelineConfig(mode='flush', schedule='{chosen.name}', flush_every={m})"
+    if chosen.stages_per_worker > 1:  # the plan of workers x V stages the schedule was simulated on
+        plan = virtual_plan(profile, workers, chosen.stages_per_worker, bandwidth)  # type: ignore[arg-type]
+        how += f" on {workers} processes ({chosen.stages_per_worker} of the plan's {plan.num_stages} stages each)"
     costs = (f"the profile's costs, backwards split {split:g} weight gradient" if isinstance(split, float)
              else f"the profile's costs, backwards split as {split}")
     if machine is not None:

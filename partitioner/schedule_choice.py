@@ -29,7 +29,8 @@ interleaved zero-bubble and looped BFS (stage ``s`` on worker ``s % W``), ZBV an
 — are planned on ``W * v`` straight stages split by PipeDream's dynamic program, simulated the same way, and
 their memory counted per worker, as its own actions hold it: the weights of all its stages plus, at its worst
 moment, the activations of every minibatch one of its stages has run forward and not yet finished backward.
-They rank beside the others but are never chosen: the runtime runs one stage per rank (``runnable=False``).
+They rank beside the others and may be chosen: the plan to train them with is :func:`virtual_plan`'s, its ``W v``
+stages on ``W`` processes (see :mod:`pipedream_ft.virtual`).
 """
 
 from __future__ import annotations
@@ -42,14 +43,14 @@ from profiler.profile import Profile
 from .machine import MachineProfile
 from .plan import Plan, PlanError
 
-__all__ = ["Ranked", "schedule_costs", "rank_schedules", "rank_virtual", "choose", "format_ranking", "RUNNABLE",
-           "VIRTUAL", "DEFAULT_WEIGHT_FRACTION"]
+__all__ = ["Ranked", "schedule_costs", "rank_schedules", "rank_virtual", "virtual_plan", "choose", "format_ranking",
+           "RUNNABLE", "VIRTUAL", "DEFAULT_WEIGHT_FRACTION"]
 
 RUNNABLE = ("1f1b", "gpipe", "zb_h1", "pipedream")
 """The schedules the runtime runs one stage per rank: ``flush`` mode's three and the asynchronous modes'."""
 
 VIRTUAL = ("interleaved_1f1b", "interleaved_zero_bubble", "looped_bfs", "zbv", "dualpipev")
-"""The schedules of several stages per worker, ranked on paper only (see the module docstring)."""
+"""The schedules of several stages per worker (see the module docstring)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +64,6 @@ class Ranked:
     memory_bytes: tuple[float, ...]
     """Per stage (per worker, for a schedule of virtual stages): bytes one worker needs."""
     fits: bool
-    runnable: bool = True
-    """Whether the runtime runs it (``False``: virtual stages, planned on paper)."""
     stages_per_worker: int = 1
 
     @property
@@ -220,8 +219,6 @@ def rank_virtual(profile: Profile, workers: int, microbatches: int, bandwidth: f
     the actions. Raises :class:`PlanError` for bad settings or a model with too few cut points."""
     from pipedream_ft.schedules import build, simulate
 
-    from .optimizer import partition
-
     if workers < 1 or stages_per_worker < 1 or microbatches < 1:
         raise PlanError(f"workers, stages_per_worker and microbatches must be >= 1, got {workers}, "
                         f"{stages_per_worker}, {microbatches}")
@@ -232,10 +229,7 @@ def rank_virtual(profile: Profile, workers: int, microbatches: int, bandwidth: f
     if unknown:
         raise PlanError(f"unknown schedules of virtual stages {unknown}: expected some of {', '.join(VIRTUAL)}")
     stages = workers * stages_per_worker
-    try:
-        plan = partition(profile, stages, bandwidth, straight=True)
-    except PlanError as exc:
-        raise PlanError(f"{workers} workers x {stages_per_worker} stages: {exc}") from None
+    plan = virtual_plan(profile, workers, stages_per_worker, bandwidth)
     sc = _stage_costs(plan, profile, weight_fraction)
     out = []
     for name in chosen:
@@ -246,9 +240,20 @@ def rank_virtual(profile: Profile, workers: int, microbatches: int, bandwidth: f
         timeline = simulate(built.schedule, costs, built.placement)
         memory = _worker_memory(built.schedule, built.placement, sc.parameters, sc.activations)
         out.append(Ranked(name, timeline.step_time / microbatches, timeline.bubble_fraction, memory,
-                          memory_bytes is None or max(memory) <= memory_bytes, runnable=False,
-                          stages_per_worker=stages_per_worker))
+                          memory_bytes is None or max(memory) <= memory_bytes, stages_per_worker=stages_per_worker))
     return sorted(out, key=lambda r: (not r.fits, r.time_per_minibatch_s))
+
+
+def virtual_plan(profile: Profile, workers: int, stages_per_worker: int, bandwidth: float) -> Plan:
+    """The plan of ``workers * stages_per_worker`` straight stages that the schedules of virtual stages run (on
+    ``workers`` processes) and :func:`rank_virtual` simulates. Raises :class:`PlanError` for a model with too few
+    cut points."""
+    from .optimizer import partition
+
+    try:
+        return partition(profile, workers * stages_per_worker, bandwidth, straight=True)
+    except PlanError as exc:
+        raise PlanError(f"{workers} workers x {stages_per_worker} stages: {exc}") from None
 
 
 def _worker_memory(schedule: Any, placement: dict[int, int], parameters: list[float], activations: list[float]
@@ -275,9 +280,8 @@ def _worker_memory(schedule: Any, placement: dict[int, int], parameters: list[fl
 def choose(ranking: Sequence[Ranked], *, synchronous: bool = True) -> Ranked:
     """The fastest schedule that fits; PlanError naming the least memory needed if none does. ``synchronous``:
     among the synchronous schedules only (``flush`` mode: minibatch SGD, whatever the schedule), leaving out
-    PipeDream's asynchronous 1F1B, which trains with stale weights and so learns otherwise. Schedules the runtime
-    does not run (virtual stages) are never chosen."""
-    ranking = [r for r in ranking if r.runnable and not (synchronous and r.name == "pipedream")]
+    PipeDream's asynchronous 1F1B, which trains with stale weights and so learns otherwise."""
+    ranking = [r for r in ranking if not (synchronous and r.name == "pipedream")]
     if not ranking:
         raise PlanError("no schedule to choose from")
     fitting = [r for r in ranking if r.fits]
@@ -293,8 +297,6 @@ def format_ranking(ranking: Sequence[Ranked], chosen: str | None = None) -> str:
     rows = [("schedule", "ms/minibatch", "bubble", "peak memory", "")]
     for r in ranking:
         mark = "chosen" if r.name == chosen else ("" if r.fits else "does not fit")
-        if not r.runnable:
-            mark = "paper only: the runtime runs one stage per rank" + ("" if r.fits else "; does not fit")
         name = r.name + (" (async)" if r.name == "pipedream" else "") + \
             (f" ({r.stages_per_worker} stages/worker)" if r.stages_per_worker > 1 else "")
         rows.append((name, f"{r.time_per_minibatch_s * 1e3:.3f}", f"{r.bubble:.1%}",

@@ -100,11 +100,9 @@ class PipelineTrainer:
         """A :class:`~pipedream_ft.virtual.VirtualTrainer` instead when the schedule gives a process several of the
         plan's stages (see :mod:`pipedream_ft.virtual`)."""
         if cls is PipelineTrainer and turns is None:
-            from .virtual import VirtualTrainer, virtual_layout
+            from .virtual import VirtualTrainer, runs_virtual
 
-            conf = config or PipelineConfig()
-            world = (env or read_env()).world_size
-            if virtual_layout(planned_schedule(conf.schedule, plan.settings), plan, world, conf.flush_every):
+            if runs_virtual(planned_schedule((config or PipelineConfig()).schedule, plan.settings)):
                 return VirtualTrainer(model, plan, config=config, env=env, **kwargs)
         return super().__new__(cls)
 

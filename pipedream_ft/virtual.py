@@ -34,15 +34,39 @@ from torch import nn
 from partitioner.plan import Plan, PlanError
 
 from .config import PipelineConfig, TrainResult, planned_schedule
+from .checkpoint import Storage
 from .env import DistEnv, read_env
+from .ft.elastic import replan_for_world
+from .pipeline.connection import backend_and_device
 from .pipeline.executor import RankStats
 from .pipeline.group import PeerTimeoutError
 from .pipeline.turns import Turns
 from .schedules.window import VIRTUAL, WindowSchedule, resolve_schedule, virtual_schedule
 
-__all__ = ["VirtualTrainer", "virtual_layout"]
+__all__ = ["VirtualTrainer", "runs_virtual", "stages_per_process", "virtual_layout"]
 
 _V_SHAPED = ("zbv", "dualpipev")
+
+
+def runs_virtual(schedule: Any) -> bool:
+    """Whether ``schedule`` (a config's, ``"plan"`` resolved) gives a process several stages."""
+    return (isinstance(schedule, str) and schedule in VIRTUAL) or (isinstance(schedule, WindowSchedule)
+                                                                   and schedule.virtual)
+
+
+def stages_per_process(schedule: str | WindowSchedule, plan: Plan, world_size: int) -> int:
+    """How many stages each of ``world_size`` processes runs under ``schedule``: 2 for the V schedules, a table's
+    own; for the looped ones the plan's share when it divides evenly, else what ``pipedream-partition`` planned it
+    for (``settings["schedule"]["stages_per_worker"]``), else 2."""
+    if isinstance(schedule, WindowSchedule):
+        return schedule.num_stages // schedule.num_ranks
+    if schedule in _V_SHAPED:
+        return 2
+    if plan.num_stages % world_size == 0 and plan.num_stages >= 2 * world_size:
+        return plan.num_stages // world_size
+    record = plan.settings.get("schedule")
+    planned = record.get("stages_per_worker") if isinstance(record, dict) else None
+    return planned if isinstance(planned, int) and planned >= 2 else 2
 
 
 def virtual_layout(schedule: Any, plan: Plan, world_size: int, flush_every: int) -> WindowSchedule | None:
@@ -74,6 +98,21 @@ def virtual_layout(schedule: Any, plan: Plan, world_size: int, flush_every: int)
     return None
 
 
+def _check_backend(layout: WindowSchedule, backend: str) -> None:
+    """Under NCCL, refuse a layout whose neighbouring stages, or first and last stage (the targets' link, tied
+    embeddings), share a process: NCCL cannot connect two ranks on one GPU."""
+    if backend != "nccl":
+        return
+    where = layout.placement
+    pairs = [(s, s + 1) for s in range(len(where) - 1)] + [(0, len(where) - 1)]
+    shared = [(a, b) for a, b in pairs if where[a] == where[b]]
+    if shared:
+        a, b = shared[0]
+        raise PlanError(f"the schedule {layout} puts stages {a} and {b}, which exchange tensors, on process "
+                        f"{where[a]}: NCCL cannot connect two ranks on one GPU; train it with "
+                        "PipelineConfig(backend='gloo'), or with interleaved 1F1B on 2 or more processes")
+
+
 def _logical_plan(plan: Plan, layout: WindowSchedule) -> Plan:
     """``plan`` with each stage on its logical rank (process ``w``'s ``k``-th stage: ``w v + k``)."""
     v = layout.num_stages // layout.num_ranks
@@ -99,10 +138,14 @@ class _StageThread:
             if item is None:
                 return
             fn, reply = item
+            del item
             try:
-                reply.put((True, fn()))
+                result: tuple[bool, Any] = (True, fn())
             except BaseException as exc:  # handed to the caller's thread
-                reply.put((False, exc))
+                result = (False, exc)
+            del fn  # nothing of the call (a whole model, for the first) outlives it here
+            reply.put(result)
+            del result, reply
 
     def submit(self, fn: Callable[[], Any]) -> queue.Queue[tuple[bool, Any]]:
         reply: queue.Queue[tuple[bool, Any]] = queue.Queue()
@@ -125,11 +168,20 @@ class VirtualTrainer:
         self.config = config = config or PipelineConfig()
         self.env = env = env or read_env()
         schedule = resolve_schedule(planned_schedule(config.schedule, plan.settings))
-        layout = virtual_layout(schedule, plan, env.world_size, config.flush_every)
-        if layout is None:
+        if not runs_virtual(schedule):
             raise PlanError(f"the schedule {schedule} runs one stage per process")
+        stages = env.world_size * stages_per_process(schedule, plan, env.world_size)
+        profile, checkpoint = kwargs.get("profile"), kwargs.get("checkpoint")
+        url = checkpoint.url if checkpoint is not None else None
+        if plan.num_stages != stages and (profile is not None or url is not None) and isinstance(schedule, str):
+            # the job runs on another number of processes than the plan was made for: plan as many stages again
+            plan = replan_for_world(plan, profile, stages, rank=env.rank,
+                                    storage=Storage(url, checkpoint.storage_options) if url is not None else None)
+        layout = virtual_layout(schedule, plan, env.world_size, config.flush_every)
+        assert layout is not None
         if config.mode != "flush":
             raise PlanError(f"virtual stages run in mode 'flush', got {config.mode!r}")
+        _check_backend(layout, backend_and_device(env.local_rank, config.backend)[0])
         self.layout = layout
         self.plan = plan
         self.stage_indices = layout.stages_of(env.rank)
@@ -143,15 +195,16 @@ class VirtualTrainer:
         self.turns = Turns(layout, env.rank, config.timeout_s)
         self._threads = [_StageThread(f"pipedream-ft-stage-{s}") for s in self.stage_indices]
 
-        def build(k: int) -> Callable[[], PipelineTrainer]:
+        def build(k: int, whole: nn.Module) -> Callable[[], PipelineTrainer]:
             sub_env = dataclasses.replace(env, rank=env.rank * v + k, world_size=env.world_size * v,
                                           local_world_size=env.local_world_size * v)
-            return lambda: PipelineTrainer(copies[k], logical, config=sub_config, env=sub_env, turns=self.turns,
-                                           **kwargs)
+            return lambda: PipelineTrainer(whole, logical, config=sub_config, env=sub_env, turns=self.turns, **kwargs)
 
-        self.trainers: list[PipelineTrainer] = self._all([build(k) for k in range(v)], cleanup=False)
+        calls = [build(k, m) for k, m in enumerate(copies)]
+        del copies, model  # each stage's trainer keeps its own layers only
+        self.trainers: list[PipelineTrainer] = self._all(calls, cleanup=False)
         """One trainer per stage of this process, in stage order."""
-        del copies, model
+        del calls
 
     # -- running on every stage -------------------------------------------------------------------------------
 

@@ -10,7 +10,8 @@ import pytest
 
 from partitioner import partition
 from partitioner.cli import main
-from partitioner.plan import PlanError
+from partitioner.plan import PlanError, load_plan
+from pipedream_ft.config import planned_schedule
 from partitioner.schedule_choice import choose, rank_schedules, schedule_costs
 from profiler.profile import Layer, Profile
 
@@ -145,13 +146,28 @@ def test_the_command_line_records_the_choice_and_says_how_to_train_with_it(tmp_p
     record = json.loads(out.read_text())["settings"]["schedule"]
     assert record["name"] == "zb_h1" and record["microbatches"] == 8
     assert [r["name"] for r in record["ranking"]] == ["pipedream", "zb_h1", "1f1b", "gpipe"]
-    assert main([str(prof), "-n", "4", "-b", "1e12", "--straight", "--schedule", "looped_bfs", "-o",
-                 str(tmp_path / "x.json")]) == 2
+    assert main([str(prof), "-n", "2", "-b", "1e12", "--straight", "--schedule", "dualpipev", "--virtual-stages",
+                 "3", "--microbatches", "8", "-o", str(tmp_path / "x.json")]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert err == ["pipedream-partition: error: schedule 'looped_bfs' gives each worker several stages, which the "
-                   "runtime does not run (it runs 1f1b, gpipe, zb_h1, pipedream); --schedule auto --virtual-stages V "
-                   "ranks it on paper"]
+    assert err == ["pipedream-partition: error: schedule 'dualpipev' cannot run 3 stages per worker with 8 "
+                   "minibatches per step"]
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_schedule_of_virtual_stages_writes_the_plan_of_workers_times_v_stages(tmp_path: Path, capsys):
+    prof, out = tmp_path / "p.json", tmp_path / "plan.json"
+    _profile(16).save(str(prof))
+    assert main([str(prof), "-n", "4", "-b", "1e12", "--straight", "--schedule", "looped_bfs", "--microbatches",
+                 "8", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert ("train with PipelineConfig(mode='flush', schedule='looped_bfs', flush_every=8) on 4 processes (2 of the "
+            "plan's 8 stages each)") in text
+    plan = load_plan(out)
+    assert plan.num_stages == 8 and plan.world_size == 8
+    assert plan.stage_to_ranks == partition(_profile(16), 8, 1e12, straight=True).stage_to_ranks
+    record = plan.settings["schedule"]
+    assert (record["name"], record["workers"], record["stages_per_worker"]) == ("looped_bfs", 4, 2)
+    assert planned_schedule("plan", plan.settings) == "looped_bfs"  # what PipelineConfig(schedule="plan") runs
 
 
 def test_the_backward_split_is_the_profiles_where_measured_and_the_fraction_where_not(tmp_path: Path, capsys):
@@ -181,7 +197,7 @@ def test_the_backward_split_is_the_profiles_where_measured_and_the_fraction_wher
         assert json.loads((tmp_path / "plan.json").read_text())["settings"]["schedule"]["weight_fraction"] == recorded
 
 
-def test_virtual_stages_are_planned_and_simulated_and_never_chosen():
+def test_virtual_stages_are_planned_and_simulated_and_chosen_when_fastest():
     """Interleaved 1F1B with v stages per worker: bubble (W - 1)(F + B) / v per step, the textbook's; each
     worker holds the weights of its v stages and, at worst, the activations its own actions keep."""
     from partitioner.schedule_choice import rank_virtual
@@ -195,15 +211,15 @@ def test_virtual_stages_are_planned_and_simulated_and_never_chosen():
         (m * v * (F + B) + (W - 1) * (F + B)) / m / 1e3)
     plain = _by_name(rank_schedules(partition(profile, W, 1e12, straight=True), profile, m))
     assert got["interleaved_1f1b"].time_per_minibatch_s < plain["1f1b"].time_per_minibatch_s
-    assert all(not r.runnable and r.stages_per_worker == v and len(r.memory_bytes) == W for r in got.values())
+    assert all(r.stages_per_worker == v and len(r.memory_bytes) == W for r in got.values())
     assert all(min(r.memory_bytes) >= 4 * P for r in got.values())  # the weights of both its stages
     # looped BFS runs every forward of a stage before its backwards: worker 0 holds all m of stage 0 and stage 4
     assert got["looped_bfs"].memory_bytes[0] == pytest.approx(4 * P + 2 * m * 2 * A)
     ranking = rank_schedules(partition(profile, W, 1e12, straight=True), profile, m) + list(got.values())
-    assert choose(ranking).runnable
-    only_virtual = list(got.values())
+    fastest = min((r for r in ranking if r.name != "pipedream"), key=lambda r: r.time_per_minibatch_s)
+    assert choose(ranking) == fastest and fastest.stages_per_worker == v  # interleaving pays here
     with pytest.raises(PlanError, match="no schedule to choose from"):
-        choose(only_virtual)
+        choose([r for r in ranking if r.name == "pipedream"])
     three = _by_name(rank_virtual(profile, W, m, 1e12, stages_per_worker=3))
     assert set(three) == {"interleaved_1f1b", "interleaved_zero_bubble", "looped_bfs"}  # the V ones need 2
     assert "dualpipev" not in _by_name(rank_virtual(profile, W, 4, 1e12))  # fewer microbatches than stages
@@ -247,17 +263,18 @@ def test_virtual_stages_pay_the_machines_fixed_cost_per_action_of_every_stage(tm
     capsys.readouterr()
 
 
-def test_the_command_line_ranks_virtual_stages_on_paper(tmp_path: Path, capsys):
+def test_the_command_line_ranks_virtual_stages_beside_the_others(tmp_path: Path, capsys):
     prof = tmp_path / "p.json"
     _profile(16).save(str(prof))
     out = tmp_path / "plan.json"
     assert main([str(prof), "--workers", "4", "--bandwidth", "1e12", "--straight", "--schedule", "auto",
                  "--virtual-stages", "2", "--microbatches", "8", "-o", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "interleaved_1f1b (2 stages/worker)" in text and "paper only: the runtime runs one stage per rank" in text
+    assert "interleaved_1f1b (2 stages/worker)" in text and "paper only" not in text
     record = json.loads(out.read_text())["settings"]["schedule"]
-    assert record["name"] == "zb_h1"
-    virtual = [r for r in record["ranking"] if not r["runnable"]]
+    virtual = [r for r in record["ranking"] if r["stages_per_worker"] > 1]
+    fastest = min((r for r in record["ranking"] if r["name"] != "pipedream"), key=lambda r: r["time_per_minibatch_s"])
+    assert record["name"] == fastest["name"] and len(load_plan(out).stages) == 4 * fastest["stages_per_worker"]
     assert {r["name"] for r in virtual} == {"interleaved_1f1b", "interleaved_zero_bubble", "looped_bfs", "zbv",
                                             "dualpipev"}
     assert all(r["stages_per_worker"] == 2 for r in virtual)

@@ -147,3 +147,31 @@ def test_a_plan_that_cannot_run_virtual_stages_stops_every_process_with_the_same
     out = run_world(_refused, 2, "replicated", expect_failure=True)
     assert {o[1][1] for o in out.values()} == {"virtual stages run a straight pipeline; the plan replicates stages "
                                                "[0]"}, out
+
+
+def test_nccl_refuses_a_layout_that_puts_two_neighbouring_stages_on_one_gpu():
+    from pipedream_ft.virtual import _check_backend
+
+    plan4 = plan_for(mlp(), P4)
+    _check_backend(virtual_layout("interleaved_1f1b", plan4, 2, 4), "nccl")  # neighbours on two processes
+    _check_backend(virtual_layout("zbv", plan4, 2, 4), "gloo")
+    with pytest.raises(PlanError, match="puts stages 1 and 2, which exchange tensors, on process 1: NCCL cannot "
+                                        "connect two ranks on one GPU"):
+        _check_backend(virtual_layout("zbv", plan4, 2, 4), "nccl")
+
+
+@pytest.mark.slow
+def test_a_resize_to_a_process_count_the_plan_does_not_fit_replans_and_stays_minibatch_sgd(tmp_path):
+    """Elastic resize: 4 stages on 2 processes, then 3 processes (interleaved 1F1B re-plans 6 stages, 2 each,
+    from the profile, and reshards the checkpoint into them), then 2 again under ZBV (4 stages): minibatch SGD's
+    weights throughout."""
+    url = str(tmp_path / "ckpt")
+    args = ("flush", "adam", True)
+    first = run_world(checkpointed_case, 2, url, P4, None, 16, None, 8, *args, "interleaved_1f1b")[0][1]
+    assert first["position"] == 16 and first["stages"] == P4
+    three = run_world(checkpointed_case, 3, url, P4, None, 32, None, 8, *args, "interleaved_1f1b")[0][1]
+    assert three["resumed"] == 16 and len(three["stages"]) == 6
+    back = run_world(checkpointed_case, 2, url, P4, None, 48, None, 8, *args, "zbv")[0][1]
+    assert back["resumed"] == 32 and len(back["stages"]) == 4
+    want, losses = minibatch_sgd_reference(mlp(), data, torch.nn.functional.cross_entropy, adam, 48, 4)
+    _close(back["state"], want, 1e-6)
