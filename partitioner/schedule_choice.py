@@ -110,16 +110,17 @@ def _stage_costs(plan: Plan, profile: Profile, weight_fraction: float | None) ->
 
 
 def schedule_costs(plan: Plan, profile: Profile, weight_fraction: float | None = None,
-                   machine: MachineProfile | None = None) -> Any:
+                   machine: MachineProfile | None = None, workers: Sequence[int] | None = None) -> Any:
     """The :class:`pipedream_ft.schedules.Costs` (seconds) the ranking simulates ``plan``'s stages with: ``F``
     summed from the profile's layers, the backward split into ``I`` and ``W`` as measured (or by
     ``weight_fraction``, see the module docstring). With ``machine`` (``pipedream-probe``'s measurement) also
     the runtime's own costs: half its fixed cost per minibatch per stage on every compute action, and between
     two stages the link's latency plus the boundary's bytes (the sending stage's last layer's output) over its
-    bandwidth, averaged over the plan's boundaries."""
+    bandwidth, averaged over the plan's boundaries that cross workers. ``workers``: the worker (process) of each
+    stage, for virtual stages (default: each stage's first rank)."""
     if weight_fraction is not None and not 0.0 <= weight_fraction <= 1.0:
         raise PlanError(f"weight_fraction must be in [0, 1], got {weight_fraction}")
-    return _costs(_stage_costs(plan, profile, weight_fraction), plan, profile, machine)
+    return _costs(_stage_costs(plan, profile, weight_fraction), plan, profile, machine, workers)
 
 
 def _common_level(workers: Sequence[int], a: int, b: int) -> int:

@@ -324,9 +324,11 @@ class PipelineTrainer:
             self.hooks.add(WatchdogHook(Watchdog(config.watchdog_s, rank=env.rank, health_file=config.health_file),
                                         topo.stage))
         if config.trace_dir:
+            turns = self.turns  # a stage of several in one process: drawn on the process's row
+            row = (turns.rank, f"rank {turns.rank} · stages {', '.join(map(str, turns.stages))}") if turns else None
             self.hooks.add(TimelineHook(TimelineRecorder(config.trace_dir, rank=env.rank, stage=topo.stage,
                                                          replica=topo.replica, attempt=env.restart_count,
-                                                         process=env.incarnation),
+                                                         process=env.incarnation, row=row),
                                         topo.replica))
         if config.metrics_dir:
             self.hooks.add(MetricsHook(MetricsWriter(config.metrics_dir, env.rank), rank=env.rank, stage=topo.stage,
@@ -549,7 +551,8 @@ class PipelineTrainer:
 
     def _print_summary(self, seconds: float) -> None:
         """Gather every rank's statistics and print a table on rank 0. A collective."""
-        mine = {"rank": self.env.rank, "stage": self.topo.stage, "seconds": seconds, **self.executor.stats.as_dict()}
+        rank = self.turns.rank if self.turns is not None else self.env.rank  # a virtual stage's: its process's
+        mine = {"rank": rank, "stage": self.topo.stage, "seconds": seconds, **self.executor.stats.as_dict()}
         rows = self.group.all_gather_object(mine)
         if self.env.rank == 0:
             print(summary_table(rows), flush=True)

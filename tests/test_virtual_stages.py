@@ -175,3 +175,29 @@ def test_a_resize_to_a_process_count_the_plan_does_not_fit_replans_and_stays_min
     assert back["resumed"] == 32 and len(back["stages"]) == 4
     want, losses = minibatch_sgd_reference(mlp(), data, torch.nn.functional.cross_entropy, adam, 48, 4)
     _close(back["state"], want, 1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["interleaved_zero_bubble", "dualpipev"])
+def test_each_process_runs_its_stages_actions_in_the_schedules_order_and_the_timeline_draws_it(schedule, tmp_path):
+    """The traced run: each process's compute actions, both stages together, come in the order the schedule gives
+    the process, and ``pipedream-timeline`` draws them, one row per process."""
+    from pipedream_ft.observe.timeline import merge_traces, trace_files
+    from pipedream_ft.observe.timeline_cli import main as timeline_main
+
+    traces = tmp_path / "traces"
+    run_world(checkpointed_case, 2, str(tmp_path / "ckpt"), P4, None, 16, None, 8, "flush", "adam", False,
+              schedule, env={"PIPEDREAM_FT_TRACE_DIR": str(traces)})
+    events = [e for e in merge_traces(trace_files(traces))["traceEvents"]
+              if e.get("ph") == "X" and e["cat"] in ("forward", "backward", "weight")]
+    layout = virtual_layout(schedule, plan_for(mlp(), P4), 2, 4)
+    assert {e["pid"] for e in events} == {0, 1}
+    for pid in (0, 1):
+        ran = [(e["args"]["stage"], e["name"]) for e in sorted((e for e in events if e["pid"] == pid),
+                                                               key=lambda e: e["ts"])]
+        kind = {"F": "F", "B": "B", "I": "B", "W": "W"}
+        want = [(a.stage, f"{kind[a.kind.value]}{a.index}") for a in layout.rank_actions(pid, 0, 16)
+                if a.kind.value != "U"]
+        assert ran == want, pid
+    png = tmp_path / "virtual.png"
+    assert timeline_main([str(traces), "-o", str(png)]) == 0 and png.stat().st_size > 0

@@ -40,21 +40,26 @@ class TimelineRecorder:
     """Appends this rank's events to its trace file; cheap enough to leave on."""
 
     def __init__(self, directory: str | os.PathLike[str], *, rank: int, stage: int, replica: int, attempt: int,
-                 flush_every_s: float = 0.5, process: int = 0) -> None:
+                 flush_every_s: float = 0.5, process: int = 0, row: tuple[int, str] | None = None) -> None:
         """``process``: the incarnation of the rank's process (in-place recovery replaces processes): a
-        replacement writes a file of its own, ``trace-attempt{A}-rank{R}-p{process}.json``."""
+        replacement writes a file of its own, ``trace-attempt{A}-rank{R}-p{process}.json``. ``row``: the row (its
+        number and name) the events go to, when it is not the rank's own: the process of a stage that shares it
+        with others (virtual stages), drawn as one row."""
         suffix = f"-p{process}" if process else ""
         self.path = Path(directory) / f"trace-attempt{attempt}-rank{rank}{suffix}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.rank, self.stage, self.replica, self.attempt = rank, stage, replica, attempt
+        self.stage, self.replica, self.attempt = stage, replica, attempt
+        self.rank = row[0] if row is not None else rank
+        """The row (``pid``) of every event: the rank, or the process of a virtual stage."""
         self._buf: list[str] = []
         self._lock = threading.Lock()
         self._last_flush = time.monotonic()
         self._flush_every = flush_every_s
         self._file = open(self.path, "w")
         self._file.write("[\n")
-        self._meta("process_name", {"name": f"rank {rank} · stage {stage}" + (f" replica {replica}" if replica else "")})
-        self._meta("process_sort_index", {"sort_index": rank})
+        name = row[1] if row is not None else f"rank {rank} · stage {stage}" + (f" replica {replica}" if replica else "")
+        self._meta("process_name", {"name": name})
+        self._meta("process_sort_index", {"sort_index": self.rank})
         self._meta("thread_name", {"name": f"attempt {attempt}"}, tid=attempt)
 
     def _meta(self, name: str, args: dict[str, Any], tid: int = 0) -> None:
