@@ -64,7 +64,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from spawned import run_world  # noqa: E402
 
-__all__ = ["Case", "PEERS", "run_cases", "predict", "split_check", "main"]
+__all__ = ["Case", "PEERS", "run_cases", "predict", "split_check", "parse_cases", "rank_main", "sleep_data",
+           "sleep_plan", "measured", "draw_timelines", "main"]
 
 PEERS = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "zb_h1": "ScheduleInterleavedZeroBubble",
          "table": "_PipelineScheduleRuntime"}
@@ -233,17 +234,62 @@ def _cpu_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def _rank_main(cases: list[Case]) -> list[dict[str, Any]]:
+def rank_main(body: Any, cases: list[Any]) -> list[dict[str, Any]]:
+    """One spawned rank: join the gloo group, then ``body(case)`` for each case (a barrier after each)."""
+    import torch
     import torch.distributed as dist
 
     from pipedream_ft import init_distributed
 
+    torch.set_num_threads(1)
     init_distributed(backend="gloo", timeout_s=max(c.timeout_s for c in cases))
     out = []
     for case in cases:
-        out.append(_rank_case(case))
+        out.append(body(case))
         dist.barrier()
     return out
+
+
+def sleep_data(case: Any) -> Any:
+    """``data(b)``: minibatch ``b`` of random inputs and targets of the case's shape."""
+    import torch
+
+    def data(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(b)
+        return torch.randn(case.batch, case.width, generator=g), torch.randn(case.batch, case.width, generator=g)
+
+    return data
+
+
+def sleep_plan(case: Any) -> Any:
+    """The plan of one split sleep layer per stage."""
+    from partitioner.plan import Plan
+    from profiler.layers import structure_profile
+    from sleep_model import split_sleep_model
+
+    S = case.stages
+    prof = structure_profile(split_sleep_model(S, case.forward_ms, case.input_ms, case.weight_ms))
+    return Plan.from_stages([[i] for i in range(S)], [1] * S, profile_hash=prof.structure_hash(),
+                            layer_names=[l.name for l in prof.layers])
+
+
+def measured(run: Any, waited: Any = None) -> dict[str, Any]:
+    """``run()``'s figures between two barriers: wall time, CPU time, the sleeps slept; ``waited()``: the seconds
+    this rank has waited for its peers so far (ours)."""
+    import torch.distributed as dist
+
+    from sleep_model import LEDGER, reset_ledger
+
+    dist.barrier()
+    reset_ledger()
+    w0 = waited() if waited is not None else 0.0
+    cpu0, t0 = _cpu_s(), time.perf_counter()
+    run()
+    elapsed, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
+    ledger = {k: (int(v[0]), float(v[1])) for k, v in LEDGER.items()}
+    wait = waited() - w0 if waited is not None else None
+    dist.barrier()
+    return {"elapsed_s": elapsed, "cpu_s": cpu, "ledger": ledger, "wait_s": wait}
 
 
 def _rank_case(case: Case) -> dict[str, Any]:
@@ -253,35 +299,12 @@ def _rank_case(case: Case) -> dict[str, Any]:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as tps
 
-    from partitioner.plan import Plan
     from pipedream_ft import PipelineConfig, PipelineTrainer
-    from profiler.layers import structure_profile
-    from sleep_model import LEDGER, reset_ledger, split_sleep_model
+    from sleep_model import split_sleep_model
 
-    torch.set_num_threads(1)
     rank, S, m = dist.get_rank(), case.stages, case.microbatches
     F, I, W = case.forward_ms, case.input_ms, case.weight_ms
-
-    def data(b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(b)
-        return torch.randn(case.batch, case.width, generator=g), torch.randn(case.batch, case.width, generator=g)
-
-    def measured(run: Any, waited: Any = None) -> dict[str, Any]:
-        """``run``'s figures; ``waited()``: the seconds this rank has waited for its peers so far (ours)."""
-        dist.barrier()
-        reset_ledger()
-        w0 = waited() if waited is not None else 0.0
-        cpu0, t0 = _cpu_s(), time.perf_counter()
-        run()
-        elapsed, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
-        ledger = {k: (int(v[0]), float(v[1])) for k, v in LEDGER.items()}
-        wait = waited() - w0 if waited is not None else None
-        dist.barrier()
-        return {"elapsed_s": elapsed, "cpu_s": cpu, "ledger": ledger, "wait_s": wait}
-
-    prof = structure_profile(split_sleep_model(S, F, I, W))
-    plan = Plan.from_stages([[i] for i in range(S)], [1] * S, profile_hash=prof.structure_hash(),
-                            layer_names=[l.name for l in prof.layers])
+    data, plan = sleep_data(case), sleep_plan(case)
     out: dict[str, Any] = {"rank": rank, "runs": {}}
     for name in case.schedules:
         # -- pipedream-ft --
@@ -352,7 +375,7 @@ def run_cases(cases: list[Case]) -> list[list[dict[str, Any]]]:
     each rank's figures (rank order). The processes are killed if they take longer than the cases' timeouts."""
     if len({c.stages for c in cases}) != 1:
         raise ValueError("every case of one run needs the same number of stages")
-    per_rank = run_world(_rank_main, (cases,), cases[0].stages, sum(c.timeout_s for c in cases),
+    per_rank = run_world(rank_main, (_rank_case, cases), cases[0].stages, sum(c.timeout_s for c in cases),
                          "cases " + ", ".join(c.label for c in cases))
     return [[per_rank[r][i] for r in range(len(per_rank))] for i in range(len(cases))]
 
@@ -585,9 +608,9 @@ def _print_auto(cases: list[Case], results: list[list[dict[str, Any]]], machine:
     return ok
 
 
-def _draw_timelines(case: Case, directory: Path) -> None:
-    """``directory/<schedule>.png`` of each traced schedule: its last two steps, from stage 0's first forward of
-    them (the warm-up step before them is left out)."""
+def draw_timelines(case: Any, directory: Path, where: str = "4 ranks", prefix: str = "") -> None:
+    """``directory/<prefix><schedule>.png`` of each traced schedule: its last two steps, from stage 0's first
+    forward of them (the warm-up step before them is left out); ``where``: the title's words for the ranks."""
     from pipedream_ft.observe.plot import clip_trace, draw_timeline
     from pipedream_ft.observe.timeline import merge_traces, trace_files
 
@@ -595,12 +618,27 @@ def _draw_timelines(case: Case, directory: Path) -> None:
     for name in case.schedules:
         trace = merge_traces(trace_files(directory / name))
         timed = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-        begin = min(e["ts"] for e in timed if e.get("cat") == "forward" and e["args"]["minibatch"] == case.microbatches)
+        begin = min(e["ts"] for e in timed if e.get("cat") == "forward" and e["args"]["minibatch"] == case.microbatches
+                    and e["args"]["stage"] == 0)
         end = max(e["ts"] + e["dur"] for e in timed)
-        out = directory / f"{name}.png"
+        out = directory / f"{prefix}{name}.png"
         draw_timeline(clip_trace(trace, (end - begin) / 1e6), out, width_px=1200,
-                      title=f"{name}: 4 ranks, {case.microbatches} microbatches per step, F/I/W = {case.label} ms")
+                      title=f"{name}: {where}, {case.microbatches} microbatches per step, F/I/W = {case.label} ms")
         print(f"timeline of {name} (two steps): {out}")
+
+
+def parse_cases(text: str) -> list[tuple[float, float, float]]:
+    """``--cases``: comma-separated ``F/I/W`` sleep times in ms; ValueError naming a bad one."""
+    out = []
+    for item in text.split(","):
+        try:
+            fwd, inp, wgt = (float(v) for v in item.split("/"))
+        except ValueError:
+            raise ValueError(f"--cases takes F/I/W triples, got {item!r}") from None
+        if min(fwd, inp, wgt) < 0:
+            raise ValueError(f"sleep times must be >= 0, got {item!r}")
+        out.append((fwd, inp, wgt))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -629,13 +667,11 @@ def main(argv: list[str] | None = None) -> int:
     if repeats < 1 or (args.steps is not None and args.steps < 1):
         p.error("--steps and --repeats must be >= 1")
     cases = []
-    for item in args.cases.split(","):
-        try:
-            fwd, inp, wgt = (float(v) for v in item.split("/"))
-        except ValueError:
-            p.error(f"--cases takes F/I/W triples, got {item!r}")
-        if min(fwd, inp, wgt) < 0:
-            p.error(f"sleep times must be >= 0, got {item!r}")
+    try:
+        triples = parse_cases(args.cases)
+    except ValueError as exc:
+        p.error(str(exc))
+    for fwd, inp, wgt in triples:
         probe = Case(fwd, inp, wgt)
         step_ms = max(predict(probe, "1f1b", 1)[0], 1.0)
         steps = args.steps if args.steps is not None else max(3, round((700 if args.quick else 2000) / step_ms))
@@ -670,7 +706,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = _print_tables(cases, results, machine)
     ok &= _print_auto(cases, results, machine)
     if args.timelines is not None:
-        _draw_timelines(cases[0], Path(args.timelines))
+        draw_timelines(cases[0], Path(args.timelines))
     tables.cleanup()
     print()
     print("all targets met" if ok else "some targets MISSED (exit status 0 all the same: the figures on a shared CPU "

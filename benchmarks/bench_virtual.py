@@ -42,7 +42,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_schedules import probe_machine  # noqa: E402
+import bench_schedules  # noqa: E402
+from bench_schedules import draw_timelines, measured, parse_cases, probe_machine, rank_main, sleep_data, sleep_plan  # noqa: E402,E501
 from spawned import run_world  # noqa: E402
 
 __all__ = ["Case", "PEERS", "predict", "run_cases", "main"]
@@ -55,38 +56,14 @@ TARGET_SIM = 0.05
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Case:
-    """One benchmark world: sleep times and run lengths."""
+class Case(bench_schedules.Case):
+    """One benchmark world (see :class:`bench_schedules.Case`): ``stages`` on ``processes`` processes."""
 
-    forward_ms: float
-    input_ms: float
-    weight_ms: float
-    steps: int = 6
-    repeats: int = 1
-    """Measured runs per schedule and library, alternating ours and torch's; the fastest counts."""
     schedules: tuple[str, ...] = tuple(PEERS)
     processes: int = 2
-    stages: int = 4
-    microbatches: int = 8
-    batch: int = 8
-    width: int = 64
     timeout_s: float = 240.0
     ours_only: tuple[str, ...] = ()
     """Schedules run without their torch peer (a torch build whose class cannot run here)."""
-    timeline_dir: str | None = None
-    """Trace two steps of each schedule into ``<dir>/<schedule>/`` (after the measured runs)."""
-
-    @property
-    def label(self) -> str:
-        return f"{self.forward_ms:g}/{self.input_ms:g}/{self.weight_ms:g}"
-
-    def costs(self) -> Any:
-        """The simulator's per-stage costs in ms (stage 0 has no input gradient to compute)."""
-        from pipedream_ft.schedules import Costs
-
-        S = self.stages
-        return Costs(forward=[self.forward_ms] * S, input_backward=[0.0] + [self.input_ms] * (S - 1),
-                     weight_backward=[self.weight_ms] * S)
 
 
 def built(case: Case, name: str) -> Any:
@@ -142,19 +119,6 @@ _PROFILES: dict[tuple[float, float, float, int], Any] = {}
 # -- one process ----------------------------------------------------------------------------------------------
 
 
-def _rank_main(cases: list[Case]) -> list[dict[str, Any]]:
-    import torch.distributed as dist
-
-    from pipedream_ft import init_distributed
-
-    init_distributed(backend="gloo", timeout_s=max(c.timeout_s for c in cases))
-    out = []
-    for case in cases:
-        out.append(_rank_case(case))
-        dist.barrier()
-    return out
-
-
 def _rank_case(case: Case) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -162,32 +126,12 @@ def _rank_case(case: Case) -> dict[str, Any]:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as tps
 
-    from partitioner.plan import Plan
     from pipedream_ft import PipelineConfig, PipelineTrainer
-    from profiler.layers import structure_profile
-    from sleep_model import LEDGER, reset_ledger, split_sleep_model
+    from sleep_model import split_sleep_model
 
-    torch.set_num_threads(1)
     rank, S, m = dist.get_rank(), case.stages, case.microbatches
     F, I, W = case.forward_ms, case.input_ms, case.weight_ms
-
-    def data(b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(b)
-        return torch.randn(case.batch, case.width, generator=g), torch.randn(case.batch, case.width, generator=g)
-
-    def measured(run: Any) -> dict[str, Any]:
-        dist.barrier()
-        reset_ledger()
-        t0 = time.perf_counter()
-        run()
-        elapsed = time.perf_counter() - t0
-        ledger = {k: (int(v[0]), float(v[1])) for k, v in LEDGER.items()}
-        dist.barrier()
-        return {"elapsed_s": elapsed, "ledger": ledger}
-
-    prof = structure_profile(split_sleep_model(S, F, I, W))
-    plan = Plan.from_stages([[i] for i in range(S)], [1] * S, profile_hash=prof.structure_hash(),
-                            layer_names=[l.name for l in prof.layers])
+    data, plan = sleep_data(case), sleep_plan(case)
     out: dict[str, Any] = {"rank": rank, "runs": {}}
     for name in case.schedules:
         local = sorted(s for s, r in built(case, name).placement.items() if r == rank)
@@ -247,7 +191,7 @@ def _rank_case(case: Case) -> dict[str, Any]:
 def run_cases(cases: list[Case]) -> list[list[dict[str, Any]]]:
     """Spawn the processes once, run every case's schedules with both libraries in them; per case, each process's
     figures."""
-    per_rank = run_world(_rank_main, (cases,), cases[0].processes, sum(c.timeout_s for c in cases),
+    per_rank = run_world(rank_main, (_rank_case, cases), cases[0].processes, sum(c.timeout_s for c in cases),
                          "cases " + ", ".join(c.label for c in cases))
     return [[per_rank[r][i] for r in range(len(per_rank))] for i in range(len(cases))]
 
@@ -316,25 +260,6 @@ def _print_table(cases: list[Case], results: list[list[dict[str, Any]]], machine
     return ok
 
 
-def _draw_timelines(case: Case, directory: Path) -> None:
-    """``directory/<schedule>.png``: the last two traced steps of each schedule."""
-    from pipedream_ft.observe.plot import clip_trace, draw_timeline
-    from pipedream_ft.observe.timeline import merge_traces, trace_files
-
-    print()
-    for name in case.schedules:
-        trace = merge_traces(trace_files(directory / name))
-        timed = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-        begin = min(e["ts"] for e in timed if e.get("cat") == "forward" and e["args"]["minibatch"] == case.microbatches
-                    and e["args"]["stage"] == 0)
-        end = max(e["ts"] + e["dur"] for e in timed)
-        out = directory / f"virtual-{name}.png"
-        draw_timeline(clip_trace(trace, (end - begin) / 1e6), out, width_px=1200,
-                      title=f"{name}: 4 stages on 2 processes, {case.microbatches} microbatches per step, "
-                            f"F/I/W = {case.label} ms")
-        print(f"timeline of {name} (two steps): {out}")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default="10/10/10,2/2/2", help="comma-separated F/I/W sleep times in ms")
@@ -359,13 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     if repeats < 1 or (args.steps is not None and args.steps < 1):
         p.error("--steps and --repeats must be >= 1")
     cases = []
-    for item in args.cases.split(","):
-        try:
-            fwd, inp, wgt = (float(v) for v in item.split("/"))
-        except ValueError:
-            p.error(f"--cases takes F/I/W triples, got {item!r}")
-        if min(fwd, inp, wgt) < 0:
-            p.error(f"sleep times must be >= 0, got {item!r}")
+    try:
+        triples = parse_cases(args.cases)
+    except ValueError as exc:
+        p.error(str(exc))
+    for fwd, inp, wgt in triples:
         probe = Case(fwd, inp, wgt)
         step_ms = max(predict(probe, "interleaved_1f1b", 1)[0], 1.0)
         steps = args.steps if args.steps is not None else max(3, round((700 if args.quick else 2000) / step_ms))
@@ -385,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{time.perf_counter() - t0:.1f} s", flush=True)
     ok = _print_table(cases, results, machine)
     if args.timelines is not None:
-        _draw_timelines(cases[0], Path(args.timelines))
+        draw_timelines(cases[0], Path(args.timelines), "4 stages on 2 processes", prefix="virtual-")
     print()
     print("all targets met" if ok else "some targets MISSED (exit status 0 all the same: the figures on a shared CPU "
                                       "machine are ratios, see benchmarks/README.md)")

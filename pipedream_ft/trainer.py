@@ -43,7 +43,7 @@ from .config import PipelineConfig, TrainResult, planned_schedule
 from .env import DistEnv, read_env
 from .errors import InvalidArgument, JobError, PipelineSetupError, mark_training, say
 from .ft import cuts
-from .ft.checkpointer import CheckpointConfig, Checkpointer, plan_hash
+from .ft.checkpointer import CheckpointConfig, Checkpointer, plan_hash, refuse_per_process
 from .ft.inplace import InPlace
 from .ft.recovery import Membership, store_connection
 from .ft.replan import RePlanPolicy, load_replanned
@@ -196,6 +196,8 @@ class PipelineTrainer:
         self.in_place = env.recovery == "in-place"
         if self.in_place and checkpoint is None:
             checkpoint = CheckpointConfig()  # in-place recovery needs the memory tier at least
+        if checkpoint is not None and checkpoint.url is not None:
+            refuse_per_process(Storage(checkpoint.url, checkpoint.storage_options))
         # every check above is local and the same on every rank; only now talk to the others
         self.coordinator = Coordinator(env, config.timeout_s)
         self.hooks = HookList()

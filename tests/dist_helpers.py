@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import multiprocessing as mp
+from multiprocessing import reduction
 import os
 import queue
 import socket
@@ -59,8 +60,22 @@ def _context() -> Any:
     return ctx
 
 
+class _Output:
+    """The caller's stdout and stderr as they are when a rank starts (a test's capture, ``capfd``), handed to the
+    forked rank, which writes to them as a spawned one would."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _attach_output, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _attach_output(out: Any, err: Any) -> None:
+    for fd, target in ((out.detach(), 1), (err.detach(), 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+
+
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, args: tuple, environ: dict,
-           env: dict) -> None:
+           env: dict, output: None = None) -> None:
     os.environ.clear()  # the caller's environment as it is now, as a spawned process would get it
     os.environ.update(environ)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
@@ -96,7 +111,8 @@ def run_world(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     ctx = _context()
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, q, args, dict(os.environ), env or {}), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, q, args, dict(os.environ), env or {}, _Output()),
+                         daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

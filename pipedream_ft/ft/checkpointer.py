@@ -68,7 +68,7 @@ from .coordination import Coordinator
 from .elastic import store_profile
 from .replan import RePlanned
 
-__all__ = ["CheckpointConfig", "Checkpointer", "Preempted", "plan_hash", "part_name"]
+__all__ = ["CheckpointConfig", "Checkpointer", "Preempted", "plan_hash", "part_name", "refuse_per_process"]
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,16 @@ class _BuddyTier(Tier):
         self._peer().keep_last(k, parts)
 
 
+def refuse_per_process(storage: Storage) -> None:
+    """Raise :class:`PipelineSetupError` for a storage whose data lives inside each process (``memory://``): a
+    check of the config alone, the same on every rank, so the trainer makes it before any rank talks to another."""
+    if storage.per_process():
+        raise PipelineSetupError(
+            f"checkpoint url {storage.url}: {storage.protocol}:// keeps its data inside each process (every rank "
+            "would see only its own parts: nothing could ever commit, and nothing outlives the job); use a "
+            "directory every rank reaches, or an object store")
+
+
 class Checkpointer:
     """One rank's side of checkpointing: deciding (stage 0), saving to the tiers, committing (rank 0),
     and restoring. It talks through ``connection``, whose groups change with every in-place recovery."""
@@ -232,11 +242,7 @@ class Checkpointer:
         if config.url is not None:
             self.storage = Storage(config.url, config.storage_options,
                                    before_write=faults.before_part_write if faults is not None else None)
-            if self.storage.per_process():
-                raise PipelineSetupError(
-                    f"checkpoint url {self.storage.url}: {self.storage.protocol}:// keeps its data inside each "
-                    "process (every rank would see only its own parts: nothing could ever commit, and nothing "
-                    "outlives the job); use a directory every rank reaches, or an object store")
+            refuse_per_process(self.storage)
             self.storage.check_writable()
             if topo.rank == 0:
                 env = coordinator.env
