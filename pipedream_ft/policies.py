@@ -576,6 +576,10 @@ class AllOf(_Composite):
 # ------------------------------------------------------------------------------------------ preemption
 
 
+_INSTALLED: list[PreemptionHandler] = []
+"""The handlers installed in this process, the newest last."""
+
+
 class PreemptionHandler:
     """Turns SIGTERM (by default) into a flag, so that training can take an emergency checkpoint.
 
@@ -619,6 +623,7 @@ class PreemptionHandler:
             return self
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        _INSTALLED.append(self)
         return self
 
     def uninstall(self) -> None:
@@ -626,6 +631,14 @@ class PreemptionHandler:
         previous, self._previous = self._previous, {}
         for sig, old in previous.items():
             signal.signal(sig, old if old is not None else signal.SIG_DFL)
+        if self in _INSTALLED:
+            _INSTALLED.remove(self)
+
+    @staticmethod
+    def of_process() -> PreemptionHandler | None:
+        """The handler installed last in this process and still installed: what a stage running on a thread of its
+        own (virtual stages), which cannot install one, watches."""
+        return _INSTALLED[-1] if _INSTALLED else None
 
     @property
     def installed(self) -> bool:

@@ -36,6 +36,9 @@ from partitioner.plan import Plan, PlanError
 from .config import PipelineConfig, TrainResult, planned_schedule
 from .checkpoint import Storage
 from .env import DistEnv, read_env
+from .ft.checkpointer import CheckpointConfig
+from .ft.coordination import Coordinator
+from .policies import PreemptionHandler
 from .ft.elastic import replan_for_world
 from .pipeline.connection import backend_and_device
 from .pipeline.executor import RankStats
@@ -192,6 +195,14 @@ class VirtualTrainer:
             model = model()
         copies = [model] + [copy.deepcopy(model) for _ in range(v - 1)]  # one per stage: each keeps its layers
         sub_config = dataclasses.replace(config, schedule=layout)
+        ckpt = checkpoint if checkpoint is not None else CheckpointConfig() if env.recovery == "in-place" else None
+        self._preemption = PreemptionHandler(grace_s=ckpt.grace_s).install() \
+            if ckpt is not None and ckpt.emergency_save and threading.current_thread() is threading.main_thread() \
+            else None
+        """SIGTERM's handler: the stages' threads cannot install one, so the process's main thread does it for them
+        (an emergency checkpoint of every stage, see :class:`~pipedream_ft.policies.PreemptionHandler`)."""
+        if env.supervisor is not None:  # in-place recovery: the supervisor watches and replaces these ranks
+            Coordinator(env, config.timeout_s).publish_logical_ranks([env.rank * v + k for k in range(v)])
         self.turns = Turns(layout, env.rank, config.timeout_s)
         self._threads = [_StageThread(f"pipedream-ft-stage-{s}") for s in self.stage_indices]
 
@@ -277,6 +288,8 @@ class VirtualTrainer:
         finally:
             for t in self._threads:
                 t.stop()
+            if self._preemption is not None:
+                self._preemption.uninstall()
 
     def release(self) -> None:
         for t in self.trainers:

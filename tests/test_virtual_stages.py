@@ -83,7 +83,7 @@ def test_interleaved_1f1b_resumes_bitwise_and_on_another_number_of_processes(tmp
 WORKER = Path(__file__).with_name("ft_worker.py")
 
 
-def _torchrun(tmp: Path, faults: str) -> Path:
+def _torchrun(tmp: Path, faults: str) -> tuple[Path, str]:
     out = tmp / "final.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts=0",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--monitor-interval", "0.5",
@@ -93,22 +93,34 @@ def _torchrun(tmp: Path, faults: str) -> Path:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
-    if faults:
-        assert log.count("starting replacement 1") == 1 and "recovering in place" in log, log[-5000:]
-        assert "joined epoch 1" in log, log[-5000:]
-    return out
+    return out, log
+
+
+@pytest.fixture(scope="module")
+def zbv_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted ZBV run on 2 processes under in-place recovery."""
+    return torch.load(_torchrun(tmp_path_factory.mktemp("zbv-straight"), "")[0])
 
 
 @pytest.mark.slow
-def test_a_killed_process_of_a_zbv_pipeline_is_replaced_in_place_bitwise(tmp_path):
-    """ZBV on 2 processes (stages 0 and 3 on process 0): the process holding logical rank 1 (stage 3, which
-    computes the loss) is killed mid-window; a replacement brings both its stages back, the other process's
-    stages recover in place, and the result is the uninterrupted run's, bitwise."""
-    (tmp_path / "straight").mkdir()
-    want = torch.load(_torchrun(tmp_path / "straight", ""))
-    got = torch.load(_torchrun(tmp_path, "kill@rank=1,step=22"))
-    assert sorted(got) == sorted(want)
-    for k, v in want.items():
+@pytest.mark.parametrize("fault, replaced", [("kill@rank=2,step=22", "1"), ("term@rank=1,step=19", "01")])
+def test_a_process_of_a_zbv_pipeline_is_replaced_in_place_bitwise(zbv_reference, tmp_path, fault, replaced):
+    """ZBV on 2 processes (stages 0 and 3 on process 0, 1 and 2 on process 1). Killed: the process holding logical
+    ranks 2 and 3 dies mid-window; its supervisor starts a replacement that brings both stages back, process 0's
+    stages recover in place. Preempted (SIGTERM to logical rank 1's process): an emergency checkpoint of every
+    stage, then every process is replaced. Either way the result is the uninterrupted run's, bitwise."""
+    out, log = _torchrun(tmp_path, fault)
+    for process in (0, 1):
+        said = f"pipedream-ft: rank {process}: training process died"
+        assert (said in log) == (str(process) in replaced), log[-5000:]
+    assert "joined epoch 1" in log, log[-5000:]
+    if fault.startswith("term"):
+        assert "preempted: checkpoint" in log, log[-5000:]
+    else:
+        assert "recovering in place" in log, log[-5000:]
+    got = torch.load(out)
+    assert sorted(got) == sorted(zbv_reference)
+    for k, v in zbv_reference.items():
         assert torch.equal(got[k], v), k
 
 

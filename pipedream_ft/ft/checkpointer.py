@@ -297,11 +297,12 @@ class Checkpointer:
         self.last_memory = -1
         """The newest cut saved to the memory tier."""
         self.preemption = PreemptionHandler(grace_s=config.grace_s) if config.emergency_save else None
+        self._own_preemption = self.preemption is not None
         if self.preemption is not None:
             try:
                 self.preemption.install()
-            except ValueError:  # not the main thread: no signal handlers there
-                self.preemption = None
+            except ValueError:  # not the main thread (a virtual stage's): the handler its process installed, if any
+                self.preemption, self._own_preemption = PreemptionHandler.of_process(), False
         self._announced = False
         self._last_store_check = 0.0
         self._last_forward = time.monotonic()
@@ -770,7 +771,7 @@ class Checkpointer:
                 writer.close(timeout=self.config.commit_timeout_s)
         if self.peer_server is not None:
             self.peer_server.close()
-        if self.preemption is not None:
+        if self.preemption is not None and self._own_preemption:
             self.preemption.uninstall()
         if self.owner is not None:
             self.owner.release()

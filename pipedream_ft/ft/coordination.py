@@ -64,6 +64,7 @@ KEY_PREEMPTED = "preempted"
 KEY_JOB_ERROR = "job-error"
 KEY_FINISHED = "finished/{position}"
 KEY_ROUND = "round/{rank}/{owner}"
+KEY_LOGICAL = "logical/{rank}/{owner}"
 KEY_CRASH = "crash/{rank}"
 KEY_STOPPED = "stopped"
 KEY_JOB_ID = "id"
@@ -193,6 +194,10 @@ class Coordinator:
             if self.job.check([key]):
                 out[r] = self.job.get(key).decode()
         return out
+
+    def publish_logical_ranks(self, ranks: list[int]) -> None:
+        """The ranks this process runs (virtual stages: one logical rank per stage), for its supervisor."""
+        self.job.set(KEY_LOGICAL.format(rank=self.env.rank, owner=round_owner(self.env)), json.dumps(ranks))
 
     def live_group(self, round_id: str) -> LiveGroup:
         """The in-place recovery keys of the group started in ``round_id``; published for this rank's supervisor."""
@@ -330,6 +335,14 @@ class LiveGroup:
         self.key = key
         self.store = dist.PrefixStore(f"pipedream_ft/{run_id}/{round_id}/live/", base)
         self._forgeries: set[bytes] = set()
+
+    @staticmethod
+    def logical_ranks(base: dist.Store, run_id: str, rank: int, owner: str) -> list[int] | None:
+        """The ranks that the processes of ``rank`` started by supervisor ``owner`` run, if they said
+        (:meth:`Coordinator.publish_logical_ranks`: virtual stages); ``None``: just ``rank``."""
+        job = dist.PrefixStore(f"pipedream_ft/{run_id}/job/", base)
+        key = KEY_LOGICAL.format(rank=rank, owner=owner)
+        return [int(r) for r in json.loads(job.get(key))] if job.check([key]) else None
 
     @staticmethod
     def published_round(base: dist.Store, run_id: str, rank: int, owner: str) -> str | None:
