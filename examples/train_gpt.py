@@ -66,6 +66,8 @@ from pipedream_ft.pipeline.modes import MODES, Mode, make_mode  # noqa: E402
 from pipedream_ft.config import planned_schedule  # noqa: E402
 from pipedream_ft.pipeline.schedule import SYNCHRONOUS  # noqa: E402
 from pipedream_ft.pipeline.topology import Topology  # noqa: E402
+from pipedream_ft.schedules.window import VIRTUAL  # noqa: E402
+from pipedream_ft.virtual import runs_virtual  # noqa: E402
 from pipedream_ft.policies import EveryNSteps  # noqa: E402
 
 __all__ = ["lm_loss", "make_optimizer", "lr_factor", "weight_delay", "default_lr", "held_out_loss", "generate", "train_single_process",
@@ -136,8 +138,10 @@ def default_lr(optimizer: str, delay: int) -> float:
 
 
 def _mode_of(args: argparse.Namespace, plan: Plan, rank: int) -> tuple[Mode, Topology]:
-    """The library's mode for the arguments, checked against ``rank``'s place in the plan."""
-    mode = make_mode(args.mode, args.flush_every, args.update_every, planned_schedule(args.schedule, plan.settings))
+    """The library's mode for the arguments, checked against ``rank``'s place in the plan (a schedule of virtual
+    stages is checked by the trainer: its windows are 1F1B's, ``flush_every`` minibatches)."""
+    schedule = planned_schedule(args.schedule, plan.settings)
+    mode = make_mode(args.mode, args.flush_every, args.update_every, "1f1b" if runs_virtual(schedule) else schedule)
     topo = Topology.of(plan, rank)
     mode.check(topo)
     return mode, topo
@@ -206,10 +210,10 @@ def train_single_process(args: argparse.Namespace, data: TextData, steps: int) -
 
 
 def _schedule(value: str) -> str:
-    if value in SYNCHRONOUS or value == "plan" or value.lower().endswith(".csv"):
+    if value in SYNCHRONOUS + VIRTUAL or value == "plan" or value.lower().endswith(".csv"):
         return value
-    raise argparse.ArgumentTypeError(f"expected one of {', '.join(SYNCHRONOUS)}, plan or a table's path (.csv), got "
-                                     f"{value!r}")
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(SYNCHRONOUS + VIRTUAL)}, plan or a table's path "
+                                     f"(.csv), got {value!r}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -231,7 +235,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "asynchronous modes)")
     p.add_argument("--mode", choices=MODES, default="stash", help="weight stashing, vertical sync or flushing")
     p.add_argument("--flush-every", type=int, default=4, help="minibatches per optimizer step with --mode flush")
-    p.add_argument("--schedule", type=_schedule, default="1f1b", metavar="|".join(SYNCHRONOUS) + "|plan|TABLE.csv",
+    p.add_argument("--schedule", type=_schedule, default="1f1b", metavar="|".join(SYNCHRONOUS + VIRTUAL) + "|plan|TABLE.csv",
                    help="the schedule inside a window with --mode flush (zb_h1: zero bubble; default 1f1b); plan: the "
                    "one pipedream-partition --schedule recorded in the plan; or a table of one window, one row per "
                    "rank (`python -m pipedream_ft.schedules NAME --csv T.csv` writes one); its window is "
@@ -342,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               + f"; {args.optimizer} lr {args.lr:g}, warm-up {args.warmup}; weight delay {delay}", flush=True)
     result = trainer.fit(data, steps)  # continues from the newest committed checkpoint, if any
     state = trainer.full_state_dict()
-    stats = trainer.group.all_gather_object(result.stats.as_dict()) if trainer.group is not None else []
+    stats = trainer.gather_stats()
     trainer.close()
     if trainer.env.rank == 0:
         if not result.losses:

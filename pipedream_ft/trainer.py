@@ -553,9 +553,7 @@ class PipelineTrainer:
 
     def _print_summary(self, seconds: float) -> None:
         """Gather every rank's statistics and print a table on rank 0. A collective."""
-        rank = self.turns.rank if self.turns is not None else self.env.rank  # a virtual stage's: its process's
-        mine = {"rank": rank, "stage": self.topo.stage, "seconds": seconds, **self.executor.stats.as_dict()}
-        rows = self.group.all_gather_object(mine)
+        rows = self.group.all_gather_object({**self._stats_row(), "seconds": seconds})
         if self.env.rank == 0:
             print(summary_table(rows), flush=True)
 
@@ -568,6 +566,15 @@ class PipelineTrainer:
         return result
 
     # -- results --------------------------------------------------------------------------------------------
+
+    def gather_stats(self) -> list[dict[str, Any]]:
+        """Every rank's :class:`RankStats` of the last :meth:`train` (as dicts, with its rank and stage), in rank
+        order, on every rank. A collective."""
+        return self.group.all_gather_object(self._stats_row())
+
+    def _stats_row(self) -> dict[str, Any]:
+        rank = self.turns.rank if self.turns is not None else self.env.rank  # a virtual stage's: its process's
+        return {"rank": rank, "stage": self.topo.stage, **self.executor.stats.as_dict()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights (original keys), gathered from the stages onto every rank. A collective."""

@@ -273,6 +273,9 @@ class VirtualTrainer:
     def evaluate(self, data: Any, steps: int, metric_fn: Any = None) -> Any:
         return self._each(lambda t: t.evaluate(data, steps, metric_fn))[0]
 
+    def gather_stats(self) -> list[dict[str, Any]]:
+        return self._each(lambda t: t.gather_stats())[0]
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return self._each(lambda t: t.full_state_dict())[0]
 

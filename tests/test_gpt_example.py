@@ -39,8 +39,9 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _torchrun(args: list[str], cwd: Path, env: dict[str, str], restarts: int = 0) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--max-restarts", str(restarts),
+def _torchrun(args: list[str], cwd: Path, env: dict[str, str], restarts: int = 0,
+              nproc: int = 4) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts", str(restarts),
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--monitor-interval", "0.5",
            str(SCRIPT), *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
@@ -172,3 +173,29 @@ def test_a_killed_worker_is_survived_bitwise(plan_path: Path, tmp_path: Path) ->
     assert sorted(a) == sorted(b)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_partitioners_interleaved_plan_trains_on_two_processes_as_one_plain_process(tmp_path: Path) -> None:
+    """``pipedream-partition --schedule interleaved_1f1b`` writes a plan of 2 x 2 stages; ``train_gpt.py --mode flush
+    --schedule plan`` on 2 processes runs it (2 stages each, tied embeddings on processes 0 and 1) and ends at the
+    single plain process's minibatch-SGD weights."""
+    from partitioner.cli import main as partition_main
+
+    torch.manual_seed(0)
+    profile = profile_model(gpt(), torch.randint(0, 256, (8, 32)), warmup=0, repeats=1)
+    profile.save(tmp_path / "gpt.prof.json")
+    assert partition_main([str(tmp_path / "gpt.prof.json"), "--workers", "2", "--bandwidth", "1e9", "--straight",
+                           "--schedule", "interleaved_1f1b", "--microbatches", "4", "-o",
+                           str(tmp_path / "v.plan.json")]) == 0
+    flush = ["--steps", "16", "--mode", "flush", "--flush-every", "4", *SMALL]
+    out = _ok(_torchrun(["--plan", "v.plan.json", "--schedule", "plan", "--save", "v.pt", *flush], tmp_path, _env(),
+                        nproc=2))
+    assert "4 stages, replicas [1, 1, 1, 1]" in out
+    _ok(subprocess.run([sys.executable, str(SCRIPT), "--single-process", "--save", "one.pt", *flush], cwd=tmp_path,
+                       env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S))
+    got, want = (torch.load(tmp_path / f, weights_only=True) for f in ("v.pt", "one.pt"))
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=1e-5, msg=k)
