@@ -182,8 +182,10 @@ class VirtualTrainer:
                                     storage=Storage(url, checkpoint.storage_options) if url is not None else None)
         layout = virtual_layout(schedule, plan, env.world_size, config.flush_every)
         assert layout is not None
-        if config.mode != "flush":
-            raise PlanError(f"virtual stages run in mode 'flush', got {config.mode!r}")
+        if config.replan is not None:
+            raise PlanError("re-planning from measured costs (PipelineConfig(replan=...)) does not run with virtual "
+                            "stages: a process's stages would each measure and re-plan alone; leave replan=None "
+                            "(a resize still re-plans)")
         _check_backend(layout, backend_and_device(env.local_rank, config.backend)[0])
         self.layout = layout
         self.plan = plan

@@ -143,11 +143,13 @@ def test_a_plan_that_does_not_fit_the_schedule_is_refused_naming_the_counts():
 
 def _refused(kind: str) -> None:
     from pipedream_ft import PipelineConfig, PipelineTrainer
+    from pipedream_ft.ft.replan import RePlanPolicy
 
-    replicas = [1, 1, 1, 1] if kind == "counts" else [2, 1, 1, 1]
+    replicas = [2, 1, 1, 1] if kind == "replicated" else [1, 1, 1, 1]
     PipelineTrainer(mlp(), plan_for(mlp(), P4, replicas), loss_fn=torch.nn.functional.cross_entropy,
                     optimizer_factory=adam, config=PipelineConfig(mode="flush", schedule="interleaved_1f1b",
-                                                                  timeout_s=20))
+                                                                  timeout_s=20,
+                                                                  replan=RePlanPolicy() if kind == "replan" else None))
 
 
 def test_a_plan_that_cannot_run_virtual_stages_stops_every_process_with_the_same_line():
@@ -159,6 +161,9 @@ def test_a_plan_that_cannot_run_virtual_stages_stops_every_process_with_the_same
     out = run_world(_refused, 2, "replicated", expect_failure=True)
     assert {o[1][1] for o in out.values()} == {"virtual stages run a straight pipeline; the plan replicates stages "
                                                "[0]"}, out
+    out = run_world(_refused, 2, "replan", expect_failure=True)
+    assert {o[1][1].split(":")[0] for o in out.values()} == {"re-planning from measured costs (PipelineConfig(replan=...)) "
+                                                             "does not run with virtual stages"}, out
 
 
 def test_nccl_refuses_a_layout_that_puts_two_neighbouring_stages_on_one_gpu():
