@@ -173,6 +173,10 @@ class VirtualTrainer:
         schedule = resolve_schedule(planned_schedule(config.schedule, plan.settings))
         if not runs_virtual(schedule):
             raise PlanError(f"the schedule {schedule} runs one stage per process")
+        if config.replan is not None:
+            raise PlanError("re-planning from measured costs (PipelineConfig(replan=...)) does not run with virtual "
+                            "stages: a process's stages would each measure and re-plan alone; leave replan=None "
+                            "(a resize still re-plans)")
         stages = env.world_size * stages_per_process(schedule, plan, env.world_size)
         profile, checkpoint = kwargs.get("profile"), kwargs.get("checkpoint")
         url = checkpoint.url if checkpoint is not None else None
@@ -182,10 +186,6 @@ class VirtualTrainer:
                                     storage=Storage(url, checkpoint.storage_options) if url is not None else None)
         layout = virtual_layout(schedule, plan, env.world_size, config.flush_every)
         assert layout is not None
-        if config.replan is not None:
-            raise PlanError("re-planning from measured costs (PipelineConfig(replan=...)) does not run with virtual "
-                            "stages: a process's stages would each measure and re-plan alone; leave replan=None "
-                            "(a resize still re-plans)")
         _check_backend(layout, backend_and_device(env.local_rank, config.backend)[0])
         self.layout = layout
         self.plan = plan
@@ -215,16 +215,21 @@ class VirtualTrainer:
 
         calls = [build(k, m) for k, m in enumerate(copies)]
         del copies, model  # each stage's trainer keeps its own layers only
-        self.trainers: list[PipelineTrainer] = self._all(calls, cleanup=False)
-        """One trainer per stage of this process, in stage order."""
+        try:
+            self.trainers: list[PipelineTrainer] = self._all(calls, building=True)
+            """One trainer per stage of this process, in stage order."""
+        except BaseException:
+            self._stop()
+            raise
         del calls
 
     # -- running on every stage -------------------------------------------------------------------------------
 
-    def _all(self, calls: Sequence[Callable[[], Any]], *, cleanup: bool = True) -> list[Any]:
+    def _all(self, calls: Sequence[Callable[[], Any]], *, building: bool = False) -> list[Any]:
         """Run ``calls[k]`` on stage ``k``'s thread, all at once (they are collectives of the logical ranks);
         return their results. When one fails, the others' groups are released so that none waits for it, and
-        the root cause is raised: the first error that is not a peer's failure seen from another stage."""
+        the root cause is raised: the first error that is not a peer's failure seen from another stage. While
+        ``building`` the trainers (there are no groups to release yet), the first error is raised at once."""
         replies = [t.submit(c) for t, c in zip(self._threads, calls)]
         results: list[Any] = [None] * len(replies)
         errors: list[BaseException] = []
@@ -239,9 +244,11 @@ class VirtualTrainer:
                 if ok:
                     results[k] = value
                 else:
+                    if building:
+                        raise value
                     errors.append(value)
                     if len(errors) == 1:
-                        self._release_others(cleanup)
+                        self._release_all()
             if pending:
                 time.sleep(0.01)
         if errors:
@@ -249,14 +256,20 @@ class VirtualTrainer:
             raise causes[0]
         return results
 
-    def _release_others(self, built: bool) -> None:
-        if not built:
-            return
-        for t in getattr(self, "trainers", []):
+    def _release_all(self) -> None:
+        for t in self.trainers:
             try:
                 t.release()
             except Exception:  # the first error is what the caller sees
                 pass
+
+    def _stop(self) -> None:
+        """End the stages' threads (after their last call) and give SIGTERM back its previous handler."""
+        for t in self._threads:
+            t.stop()
+        if self._preemption is not None:
+            self._preemption.uninstall()
+            self._preemption = None
 
     def _each(self, fn: Callable[[Any], Any]) -> list[Any]:
         return self._all([(lambda t=t: fn(t)) for t in self.trainers])
@@ -291,10 +304,7 @@ class VirtualTrainer:
         try:
             self._each(lambda t: t.close())
         finally:
-            for t in self._threads:
-                t.stop()
-            if self._preemption is not None:
-                self._preemption.uninstall()
+            self._stop()
 
     def release(self) -> None:
         for t in self.trainers:
