@@ -47,7 +47,7 @@ __all__ = ["Ranked", "schedule_costs", "rank_schedules", "rank_virtual", "virtua
            "RUNNABLE", "VIRTUAL", "DEFAULT_WEIGHT_FRACTION"]
 
 RUNNABLE = ("1f1b", "gpipe", "zb_h1", "pipedream")
-"""The schedules the runtime runs one stage per rank: ``flush`` mode's three and the asynchronous modes'."""
+"""The schedules of one stage per rank: ``flush`` mode's three and the asynchronous modes'."""
 
 VIRTUAL = ("interleaved_1f1b", "interleaved_zero_bubble", "looped_bfs", "zbv", "dualpipev")
 """The schedules of several stages per worker (see the module docstring)."""

@@ -78,7 +78,9 @@ class PipelineConfig:
     """Minibatches per optimizer step in ``"flush"`` mode."""
     schedule: ScheduleSpec = "1f1b"
     """The ``"flush"`` mode's schedule inside a window: ``"1f1b"``, ``"gpipe"`` or ``"zb_h1"`` (zero bubble:
-    the backward split in two, see :mod:`pipedream_ft.pipeline.splitbackward`), or one given as data — a table's
+    the backward split in two, see :mod:`pipedream_ft.pipeline.splitbackward`); one that gives a process several
+    stages — ``"interleaved_1f1b"``, ``"interleaved_zero_bubble"``, ``"looped_bfs"``, ``"zbv"`` or ``"dualpipev"``,
+    run by :mod:`pipedream_ft.virtual` on a plan of several stages per process; or one given as data — a table's
     path (``*.csv``) or a mapping rank -> actions, checked and held as a
     :class:`~pipedream_ft.schedules.WindowSchedule` whose window must be ``flush_every``; or ``"plan"``, the one
     ``pipedream-partition --schedule`` chose and recorded in the plan (see :func:`planned_schedule`). All give
