@@ -40,8 +40,20 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def free_port_pair(taken: set[int], low: int = 20000, high: int = 45000) -> int:
-    """A port ``p`` below 55535 such that ``p`` and ``p + 10000`` (SeaweedFS's gRPC port) are free."""
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (where connections' own ports and ``bind(0)`` come from)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_port_pair(taken: set[int], low: int = 10000, high: int | None = None) -> int:
+    """A port ``p`` such that ``p`` and ``p + 10000`` (SeaweedFS's gRPC port) are free, both below the ephemeral
+    range by default: a server restarted on the same ports (an outage) must find them still free, and a port in
+    that range may meanwhile be any connection's own."""
+    if high is None:
+        high = max(low + 1000, min(45000, _ephemeral_low() - 10000))
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(500):
         p = rng.randrange(low, high)
