@@ -92,7 +92,8 @@ class PipelineTrainer:
     without it. A parameter used by layers of several stages (tied embeddings) is kept equal on all of them
     (see :mod:`pipedream_ft.pipeline.tied`); ``tied_parameters`` also ties groups of distinct parameters by
     name (e.g. ``[["wte.weight", "lm_head.weight"]]``). The trainer builds its own process groups (it does not need ``torch.distributed``'s default
-    group); :meth:`close` releases them.
+    group); :meth:`close` releases them. Under a schedule that gives a process several stages (virtual stages),
+    the call returns a :class:`~pipedream_ft.virtual.VirtualTrainer` with the same methods.
     """
 
     def __new__(cls, model: Any, plan: Plan, *, config: PipelineConfig | None = None, env: DistEnv | None = None,
