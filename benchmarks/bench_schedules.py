@@ -64,8 +64,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from spawned import run_world  # noqa: E402
 
-__all__ = ["Case", "PEERS", "run_cases", "predict", "split_check", "parse_cases", "rank_main", "sleep_data",
-           "sleep_plan", "measured", "draw_timelines", "main"]
+__all__ = ["Case", "PEERS", "run_cases", "predict", "split_check", "parse_cases", "arguments", "runs", "fastest", "our_trainer", "rank_main",
+           "sleep_data", "sleep_plan", "measured", "draw_timelines", "main"]
 
 PEERS = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "zb_h1": "ScheduleInterleavedZeroBubble",
          "table": "_PipelineScheduleRuntime"}
@@ -292,6 +292,24 @@ def measured(run: Any, waited: Any = None) -> dict[str, Any]:
     return {"elapsed_s": elapsed, "cpu_s": cpu, "ledger": ledger, "wait_s": wait}
 
 
+def our_trainer(case: Any, schedule: str, trace_dir: str | None = None) -> Any:
+    """pipedream-ft's trainer of the case's sleep model under ``schedule`` (flush mode, a window per step), the
+    weights seeded alike on every rank; ``trace_dir``: trace it there."""
+    import torch
+    from torch import nn
+
+    from pipedream_ft import PipelineConfig, PipelineTrainer
+    from sleep_model import split_sleep_model
+
+    torch.manual_seed(0)
+    return PipelineTrainer(split_sleep_model(case.stages, case.forward_ms, case.input_ms, case.weight_ms),
+                           sleep_plan(case), loss_fn=nn.functional.mse_loss,
+                           optimizer_factory=lambda p: torch.optim.SGD(p, lr=1e-4, momentum=0.9),
+                           config=PipelineConfig(mode="flush", flush_every=case.microbatches, schedule=schedule,
+                                                 timeout_s=case.timeout_s, backend="gloo", progress=False,
+                                                 summary=False, trace_dir=trace_dir))
+
+
 def _rank_case(case: Case) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -299,22 +317,16 @@ def _rank_case(case: Case) -> dict[str, Any]:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as tps
 
-    from pipedream_ft import PipelineConfig, PipelineTrainer
     from sleep_model import split_sleep_model
 
     rank, S, m = dist.get_rank(), case.stages, case.microbatches
     F, I, W = case.forward_ms, case.input_ms, case.weight_ms
-    data, plan = sleep_data(case), sleep_plan(case)
+    data = sleep_data(case)
     out: dict[str, Any] = {"rank": rank, "runs": {}}
     for name in case.schedules:
         # -- pipedream-ft --
-        torch.manual_seed(0)
-        trainer = PipelineTrainer(split_sleep_model(S, F, I, W), plan, loss_fn=nn.functional.mse_loss,
-                                  optimizer_factory=lambda p: torch.optim.SGD(p, lr=1e-4, momentum=0.9),
-                                  config=PipelineConfig(mode="flush", flush_every=m,
-                                                        schedule=case.table if name == "table" else name,
-                                                        timeout_s=case.timeout_s, backend="gloo", progress=False,
-                                                        summary=False))
+        schedule_of_ours = case.table if name == "table" else name
+        trainer = our_trainer(case, schedule_of_ours)
         trainer.train(data, m)  # warm-up (and the pre-flight pass)
 
         # -- torch.distributed.pipelining, same processes, same stage --
@@ -357,39 +369,42 @@ def _rank_case(case: Case) -> dict[str, Any]:
         trainer.close()
         out["runs"][name] = {"ours": ours, "torch": theirs or None}
         if case.timeline_dir is not None:
-            traced = PipelineTrainer(split_sleep_model(S, F, I, W), plan, loss_fn=nn.functional.mse_loss,
-                                     optimizer_factory=lambda p: torch.optim.SGD(p, lr=1e-4, momentum=0.9),
-                                     config=PipelineConfig(mode="flush", flush_every=m,
-                                                           schedule=case.table if name == "table" else name,
-                                                           timeout_s=case.timeout_s, backend="gloo", progress=False,
-                                                           summary=False,
-                                                           trace_dir=str(Path(case.timeline_dir) / name)))
+            traced = our_trainer(case, schedule_of_ours, str(Path(case.timeline_dir) / name))
             traced.train(data, m)  # warm-up, traced too: the figure draws the last two steps
             traced.train(data, 2 * m)
             traced.close()
     return out
 
 
-def run_cases(cases: list[Case]) -> list[list[dict[str, Any]]]:
-    """Spawn ``stages`` ranks once, run every case's schedules with both libraries in them; return, per case,
-    each rank's figures (rank order). The processes are killed if they take longer than the cases' timeouts."""
+def run_cases(cases: list[Any], body: Any = None, processes: int | None = None) -> list[list[dict[str, Any]]]:
+    """Spawn ``processes`` ranks (default: one per stage) once, run ``body(case)`` (default: every case's schedules
+    with both libraries) in them for each case; return, per case, each rank's figures (rank order). The processes
+    are killed if they take longer than the cases' timeouts."""
     if len({c.stages for c in cases}) != 1:
         raise ValueError("every case of one run needs the same number of stages")
-    per_rank = run_world(rank_main, (_rank_case, cases), cases[0].stages, sum(c.timeout_s for c in cases),
-                         "cases " + ", ".join(c.label for c in cases))
+    per_rank = run_world(rank_main, (body or _rank_case, cases), processes or cases[0].stages,
+                         sum(c.timeout_s for c in cases), "cases " + ", ".join(c.label for c in cases))
     return [[per_rank[r][i] for r in range(len(per_rank))] for i in range(len(cases))]
+
+
+def fastest(case: Any, res: list[dict[str, Any]], name: str, lib: str) -> tuple[list[dict[str, Any]], float] | None:
+    """Each rank's figures in ``lib``'s fastest repeat of ``name`` (a repeat's time is its slowest rank's), and that
+    time in seconds; ``None`` if ``lib`` did not run it."""
+    if any(r["runs"][name][lib] is None for r in res):
+        return None
+    best = min(range(case.repeats), key=lambda i: max(r["runs"][name][lib][i]["elapsed_s"] for r in res))
+    runs = [r["runs"][name][lib][best] for r in res]
+    return runs, max(r["elapsed_s"] for r in runs)
 
 
 # -- report ---------------------------------------------------------------------------------------------------
 
 
 def _figures(case: Case, res: list[dict[str, Any]], name: str, lib: str) -> dict[str, float] | None:
-    if any(r["runs"][name][lib] is None for r in res):
+    found = fastest(case, res, name, lib)
+    if found is None:
         return None
-    # the fastest repeat: each repeat's time is its slowest rank's
-    best = min(range(case.repeats), key=lambda i: max(r["runs"][name][lib][i]["elapsed_s"] for r in res))
-    runs = [r["runs"][name][lib][best] for r in res]
-    elapsed = max(r["elapsed_s"] for r in runs)
+    runs, elapsed = found
     busy = sum(sum(s for _, s in r["ledger"].values()) for r in runs)
     n = case.steps * case.microbatches
     # every rank slept F and W once per minibatch, and I once on every stage but the first
@@ -641,44 +656,60 @@ def parse_cases(text: str) -> list[tuple[float, float, float]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(description: str, peers: dict[str, str], default_schedules: str, what: str) -> argparse.ArgumentParser:
+    """The options both schedule benches take (``what``: the schedule whose step sets the default length)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--cases", default="10/10/10,2/2/2",
                    help="comma-separated F/I/W sleep times in ms (default 10/10/10,2/2/2)")
     p.add_argument("--steps", type=int, default=None,
-                   help="optimizer steps (of 8 minibatches) per measured run (default: about 2 s of 1F1B per run, "
-                        "0.7 s with --quick; at least 3)")
+                   help=f"optimizer steps (of 8 minibatches) per measured run (default: about 2 s of {what} per "
+                        "run, 0.7 s with --quick; at least 3)")
     p.add_argument("--repeats", type=int, default=None,
                    help="measured runs per schedule and library, the fastest counts (default 2; 1 with --quick)")
-    p.add_argument("--schedules", default="1f1b,gpipe,zb_h1,table",
-                   help="which of ours (default all four; table: ZB-H1's order as a CSV table)")
-    p.add_argument("--quick", action="store_true", help="short runs (under a minute)")
-    p.add_argument("--timeout", type=float, default=None, help="seconds one case may take (default: from its length)")
+    p.add_argument("--schedules", default=default_schedules, help=f"which of ours (some of {', '.join(peers)})")
+    p.add_argument("--quick", action="store_true", help="short runs")
     p.add_argument("--timelines", metavar="DIR", default=None,
                    help="also draw two traced steps of each schedule of ours as DIR/<schedule>.png")
     p.add_argument("--no-probe", action="store_true",
                    help="skip pipedream-probe (the prediction is then the profile's alone)")
-    args = p.parse_args(argv)
-    schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
-    for s in schedules:
-        if s not in PEERS:
-            p.error(f"unknown schedule {s!r}: expected some of {', '.join(PEERS)}")
+    return p
+
+
+def runs(p: argparse.ArgumentParser, args: argparse.Namespace, peers: dict[str, str], case: Any, step_of: Any,
+         slowest: Any) -> list[Any]:
+    """The cases ``args`` ask for, each ``case(F, I, W)`` with its steps (``step_of(probe)``: the step in ms that
+    sets the default count), repeats, schedules and timeout (``slowest(probe, schedules)``: the slowest schedule's
+    step in ms); a bad option ends ``p``."""
+    schedules = tuple(x.strip() for x in args.schedules.split(",") if x.strip())
+    for x in schedules:
+        if x not in peers:
+            p.error(f"unknown schedule {x!r}: expected some of {', '.join(peers)}")
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 2)
     if repeats < 1 or (args.steps is not None and args.steps < 1):
         p.error("--steps and --repeats must be >= 1")
-    cases = []
     try:
         triples = parse_cases(args.cases)
     except ValueError as exc:
         p.error(str(exc))
+    cases = []
     for fwd, inp, wgt in triples:
-        probe = Case(fwd, inp, wgt)
-        step_ms = max(predict(probe, "1f1b", 1)[0], 1.0)
+        probe = case(fwd, inp, wgt)
+        step_ms = max(step_of(probe), 1.0)
         steps = args.steps if args.steps is not None else max(3, round((700 if args.quick else 2000) / step_ms))
-        # every schedule is at most as slow as GPipe; two libraries, repeats plus a warm-up step each; spawning
-        run_s = 2 * len(schedules) * (repeats * steps + 1) * predict(probe, "gpipe", 1)[0] / 1000
-        timeout = args.timeout if args.timeout is not None else 120 + 4 * run_s
+        # two libraries, repeats plus a warm-up step each, at most the slowest schedule's step each; spawning
+        run_s = 2 * len(schedules) * (repeats * steps + 1) * slowest(probe, schedules) / 1000
+        timeout = args.timeout if getattr(args, "timeout", None) is not None else 120 + 4 * run_s
         cases.append(dataclasses.replace(probe, steps=steps, repeats=repeats, schedules=schedules, timeout_s=timeout))
+    return cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = arguments(__doc__.split("\n\n")[0], PEERS, "1f1b,gpipe,zb_h1,table", "1F1B")
+    p.add_argument("--timeout", type=float, default=None, help="seconds one case may take (default: from its length)")
+    args = p.parse_args(argv)
+    cases = runs(p, args, PEERS, Case, lambda probe: predict(probe, "1f1b", 1)[0],
+                 lambda probe, names: predict(probe, "gpipe", 1)[0])  # every schedule is at most as slow as GPipe
+    schedules = cases[0].schedules
     if args.timelines is not None:
         cases[0] = dataclasses.replace(cases[0], timeline_dir=str(Path(args.timelines).resolve()))
     tables = tempfile.TemporaryDirectory(prefix="bench-schedules-")

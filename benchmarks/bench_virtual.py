@@ -31,7 +31,6 @@ Targets (printed; ``MISSED`` beside one missed; the exit status is 0 either way)
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import tempfile
@@ -43,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_schedules  # noqa: E402
-from bench_schedules import draw_timelines, measured, parse_cases, probe_machine, rank_main, sleep_data, sleep_plan  # noqa: E402,E501
-from spawned import run_world  # noqa: E402
+from bench_schedules import (arguments, draw_timelines, fastest, measured, our_trainer, probe_machine,  # noqa: E402
+                             runs, sleep_data)
 
 __all__ = ["Case", "PEERS", "predict", "run_cases", "main"]
 
@@ -126,22 +125,16 @@ def _rank_case(case: Case) -> dict[str, Any]:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as tps
 
-    from pipedream_ft import PipelineConfig, PipelineTrainer
     from sleep_model import split_sleep_model
 
     rank, S, m = dist.get_rank(), case.stages, case.microbatches
     F, I, W = case.forward_ms, case.input_ms, case.weight_ms
-    data, plan = sleep_data(case), sleep_plan(case)
+    data = sleep_data(case)
     out: dict[str, Any] = {"rank": rank, "runs": {}}
     for name in case.schedules:
         local = sorted(s for s, r in built(case, name).placement.items() if r == rank)
         # -- pipedream-ft: the 4-stage plan on 2 processes --
-        torch.manual_seed(0)
-        trainer = PipelineTrainer(split_sleep_model(S, F, I, W), plan, loss_fn=nn.functional.mse_loss,
-                                  optimizer_factory=lambda p: torch.optim.SGD(p, lr=1e-4, momentum=0.9),
-                                  config=PipelineConfig(mode="flush", flush_every=m, schedule=name,
-                                                        timeout_s=case.timeout_s, backend="gloo", progress=False,
-                                                        summary=False))
+        trainer = our_trainer(case, name)
         assert trainer.stage_indices == local, (trainer.stage_indices, local)
         trainer.train(data, m)  # warm-up (and the pre-flight pass)
 
@@ -177,12 +170,7 @@ def _rank_case(case: Case) -> dict[str, Any]:
         trainer.close()
         out["runs"][name] = {"ours": ours, "torch": theirs or None}
         if case.timeline_dir is not None:
-            traced = PipelineTrainer(split_sleep_model(S, F, I, W), plan, loss_fn=nn.functional.mse_loss,
-                                     optimizer_factory=lambda p: torch.optim.SGD(p, lr=1e-4, momentum=0.9),
-                                     config=PipelineConfig(mode="flush", flush_every=m, schedule=name,
-                                                           timeout_s=case.timeout_s, backend="gloo", progress=False,
-                                                           summary=False,
-                                                           trace_dir=str(Path(case.timeline_dir) / name)))
+            traced = our_trainer(case, name, str(Path(case.timeline_dir) / name))
             traced.train(data, 3 * m)  # a warm-up step, then the two the figure draws
             traced.close()
     return out
@@ -191,20 +179,17 @@ def _rank_case(case: Case) -> dict[str, Any]:
 def run_cases(cases: list[Case]) -> list[list[dict[str, Any]]]:
     """Spawn the processes once, run every case's schedules with both libraries in them; per case, each process's
     figures."""
-    per_rank = run_world(rank_main, (_rank_case, cases), cases[0].processes, sum(c.timeout_s for c in cases),
-                         "cases " + ", ".join(c.label for c in cases))
-    return [[per_rank[r][i] for r in range(len(per_rank))] for i in range(len(cases))]
+    return bench_schedules.run_cases(cases, _rank_case, cases[0].processes)
 
 
 # -- report ---------------------------------------------------------------------------------------------------
 
 
 def _figures(case: Case, res: list[dict[str, Any]], name: str, lib: str) -> dict[str, float] | None:
-    if any(r["runs"][name][lib] is None for r in res):
+    found = fastest(case, res, name, lib)
+    if found is None:
         return None
-    best = min(range(case.repeats), key=lambda i: max(r["runs"][name][lib][i]["elapsed_s"] for r in res))
-    runs = [r["runs"][name][lib][best] for r in res]
-    elapsed = max(r["elapsed_s"] for r in runs)
+    runs, elapsed = found
     busy = sum(sum(s for _, s in r["ledger"].values()) for r in runs)
     n = case.steps * case.microbatches
     v = case.stages // case.processes
@@ -261,42 +246,14 @@ def _print_table(cases: list[Case], results: list[list[dict[str, Any]]], machine
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default="10/10/10,2/2/2", help="comma-separated F/I/W sleep times in ms")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per measured run (default: about 2 s "
-                                                           "of interleaved 1F1B; 0.7 s with --quick; at least 3)")
-    p.add_argument("--repeats", type=int, default=None, help="measured runs per schedule and library (default 2, "
-                                                             "1 with --quick); the fastest counts")
-    p.add_argument("--schedules", default=",".join(PEERS), help="which of ours (default all five)")
-    p.add_argument("--quick", action="store_true", help="short runs")
+    p = arguments(__doc__.split("\n\n")[0], PEERS, ",".join(PEERS), "interleaved 1F1B")
     p.add_argument("--ours-only", default="", help="schedules to run without their torch peer (comma-separated; "
                                                   "for a torch whose class cannot run them here)")
-    p.add_argument("--no-probe", action="store_true", help="skip pipedream-probe (the planner's prediction is then "
-                                                           "the profile's alone)")
-    p.add_argument("--timelines", metavar="DIR", default=None,
-                   help="also draw two traced steps of each schedule of ours as DIR/<schedule>.png")
     args = p.parse_args(argv)
-    schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
-    for s in schedules:
-        if s not in PEERS:
-            p.error(f"unknown schedule {s!r}: expected some of {', '.join(PEERS)}")
-    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 2)
-    if repeats < 1 or (args.steps is not None and args.steps < 1):
-        p.error("--steps and --repeats must be >= 1")
-    cases = []
-    try:
-        triples = parse_cases(args.cases)
-    except ValueError as exc:
-        p.error(str(exc))
-    for fwd, inp, wgt in triples:
-        probe = Case(fwd, inp, wgt)
-        step_ms = max(predict(probe, "interleaved_1f1b", 1)[0], 1.0)
-        steps = args.steps if args.steps is not None else max(3, round((700 if args.quick else 2000) / step_ms))
-        slowest = max(predict(probe, name, 1)[0] for name in schedules)
-        timeout = 120 + 4 * 2 * len(schedules) * (repeats * steps + 1) * slowest / 1000
-        ours_only = tuple(x.strip() for x in args.ours_only.split(",") if x.strip())
-        cases.append(dataclasses.replace(probe, steps=steps, repeats=repeats, schedules=schedules, timeout_s=timeout,
-                                         ours_only=ours_only))
+    ours_only = tuple(x.strip() for x in args.ours_only.split(",") if x.strip())
+    cases = [dataclasses.replace(c, ours_only=ours_only) for c in
+             runs(p, args, PEERS, Case, lambda probe: predict(probe, "interleaved_1f1b", 1)[0],
+                  lambda probe, names: max(predict(probe, name, 1)[0] for name in names))]
     if args.timelines is not None:
         cases[0] = dataclasses.replace(cases[0], timeline_dir=str(Path(args.timelines).resolve()))
     with tempfile.TemporaryDirectory(prefix="bench-virtual-") as tmp:
