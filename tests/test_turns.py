@@ -105,3 +105,43 @@ def test_a_turn_that_never_comes_fails_like_a_peer_naming_what_it_waits_for():
             pass
     with pytest.raises(ValueError, match=r"stage 1 does not run on rank 0 \(it holds \[0, 3\]\)"):
         turns.begin(1, 0, 4)
+
+
+def test_a_stage_waits_as_long_as_another_runs_an_action_and_then_its_timeout_counts_again():
+    """The timeout counts while no stage of the process runs an action: an action of another stage that takes
+    longer than it (a long forward after a long wait for a peer) does not fail the stage that waits."""
+    schedule = virtual_schedule("interleaved_1f1b", 2, 4)
+    turns = Turns(schedule, 0, timeout_s=0.3)
+    for stage in (0, 2):
+        turns.begin(stage, 0, 4)
+    first, second = schedule.rank_actions(0, 0, 4)[:2]  # 0F0 then 0F1: stage 0 twice
+    later = next(a for a in schedule.rank_actions(0, 0, 4) if a.stage == 2)
+    inside = threading.Event()
+    release = threading.Event()
+
+    def long_action() -> None:
+        with turns.turn(first):
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=long_action)
+    t.start()
+    assert inside.wait(5)
+    failed: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            with turns.turn(later):
+                pass
+        except BaseException as exc:  # noqa: BLE001 -- recorded for the assertion
+            failed.append(exc)
+
+    w = threading.Thread(target=waiter)
+    w.start()
+    time.sleep(1.0)  # more than three timeouts while stage 0's action runs
+    assert not failed and w.is_alive()
+    release.set()
+    t.join(5)
+    w.join(5)  # stage 0's next action (0F1) never comes: now the timeout counts, and stage 2 fails naming it
+    assert len(failed) == 1 and isinstance(failed[0], PeerTimeoutError), failed
+    assert f"{second} comes first" in str(failed[0])

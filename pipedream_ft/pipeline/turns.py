@@ -32,9 +32,10 @@ __all__ = ["Turns"]
 
 
 class Turns:
-    """The turns of the stages of rank ``rank`` of ``schedule`` (see the module docstring). A stage waits at most
-    ``timeout_s`` for its turn, then fails with :class:`PeerTimeoutError` naming the action, like any other wait
-    for a peer."""
+    """The turns of the stages of rank ``rank`` of ``schedule`` (see the module docstring). A stage that waits for
+    its turn while no stage of the process runs an action fails after ``timeout_s`` with :class:`PeerTimeoutError`
+    naming the action, like any other wait for a peer; while another stage runs one, that stage's own waits are the
+    bounded ones (its action may take longer than ``timeout_s`` in all)."""
 
     def __init__(self, schedule: WindowSchedule, rank: int, timeout_s: float) -> None:
         if not 0 <= rank < schedule.num_ranks:
@@ -55,6 +56,8 @@ class Turns:
         step, or a window's updates together."""
         self._armed = False
         self._free = False
+        self._inside = 0
+        """Stages running an action now."""
 
     def begin(self, stage: int, start: int, stop: int) -> None:
         """Stage ``stage`` begins running minibatches ``[start, stop)``."""
@@ -93,7 +96,10 @@ class Turns:
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
             while not self._ready(action):
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                if self._inside:
+                    deadline = now + self.timeout_s  # another stage is running an action: its waits are bounded
+                left = deadline - now
                 if left <= 0:
                     waiting = ", ".join(map(str, sorted(self._order[-1]))) if self._armed and self._order else None
                     raise PeerTimeoutError(
@@ -104,10 +110,12 @@ class Turns:
                 self._cond.wait(min(left, 0.5))
             current = self._begun.get(action.stage) == self._key
             ordered = current and self._armed and not self._free
+            self._inside += 1
         try:
             yield
         finally:
             with self._cond:
+                self._inside -= 1
                 if current and self._begun.get(action.stage) == self._key:
                     self._done[action.stage] = self._done.get(action.stage, 0) + 1
                     if ordered and self._armed and self._order and action in self._order[-1]:
