@@ -55,6 +55,9 @@ def main() -> None:
                     help="feed a stateful iterable without len() that ends after this many minibatches")
     ap.add_argument("--mode", default="stash", help="training mode (flush: windows of 4 minibatches)")
     ap.add_argument("--schedule", default="1f1b", help="flush mode's schedule")
+    ap.add_argument("--hold", nargs=2, default=None, metavar=("MINIBATCH", "FILE"),
+                    type=lambda v: int(v) if v.isdigit() else v,
+                    help="wait before minibatch MINIBATCH's data while FILE exists (a test's hold on training)")
     ap.add_argument("--linger", default=None,
                     help="before closing the trainer, wait until this file exists (keeps the job alive)")
     args = ap.parse_args()
@@ -68,6 +71,10 @@ def main() -> None:
     def slow_data(b: int):
         if args.sleep_ms:
             time.sleep(args.sleep_ms / 1000)
+        if args.hold is not None and b == args.hold[0]:  # a test holds training here until it removes the file
+            deadline = time.monotonic() + 240
+            while os.path.exists(args.hold[1]) and time.monotonic() < deadline:
+                time.sleep(0.05)
         return data(b)
 
     options = json.loads(args.storage_options) if args.storage_options else None

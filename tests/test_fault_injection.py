@@ -30,12 +30,12 @@ TOTAL, EVERY, DEPTH = 48, 8, 4
 
 def torchrun_command(ckpt: str, out: Path, *, sleep_ms: float = 5.0, restarts: int = 3,
                      storage_options: dict | None = None, rdzv_id: str | None = None,
-                     extra: tuple[str, ...] = ()) -> list[str]:
+                     extra: tuple[str, ...] = (), timeout_s: float = 8) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", f"--max-restarts={restarts}",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--monitor-interval", "0.5",
            *(["--rdzv-id", rdzv_id] if rdzv_id else []),
            str(WORKER), "--ckpt", ckpt, "--total", str(TOTAL), "--every", str(EVERY), "--out", str(out),
-           "--sleep-ms", str(sleep_ms), "--timeout", "8", *extra]
+           "--sleep-ms", str(sleep_ms), "--timeout", f"{timeout_s:g}", *extra]
     if storage_options:
         cmd += ["--storage-options", json.dumps(storage_options)]
     return cmd
@@ -46,8 +46,10 @@ def torchrun_env(faults: str = "") -> dict[str, str]:
 
 
 def torchrun(ckpt: str, out: Path, faults: str = "", *, sleep_ms: float = 5.0, restarts: int = 3,
-             storage_options: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    cmd = torchrun_command(ckpt, out, sleep_ms=sleep_ms, restarts=restarts, storage_options=storage_options)
+             storage_options: dict | None = None, timeout: float = 240, extra: tuple[str, ...] = (),
+             peer_timeout_s: float = 8) -> subprocess.CompletedProcess:
+    cmd = torchrun_command(ckpt, out, sleep_ms=sleep_ms, restarts=restarts, storage_options=storage_options,
+                           extra=extra, timeout_s=peer_timeout_s)
     return subprocess.run(cmd, env=torchrun_env(faults), capture_output=True, text=True, timeout=timeout)
 
 
@@ -211,13 +213,18 @@ def test_fault_through_s3(case, reference, tmp_path, seaweed_s3):  # noqa: F811
 def test_s3_outage_during_training(reference, tmp_path, seaweed_s3):  # noqa: F811
     """The S3 server goes away mid-run: training goes on, saves warn and retry (the policy defers the next
     checkpoints meanwhile instead of queueing them), none is committed half-written, and checkpoints commit
-    again once S3 is back: the one that was being written, and later ones."""
+    again once S3 is back: the one that was being written, and later ones. Training is held at minibatch 32 until
+    the one being written has committed, so that the run cannot end before S3 is back however slowly a loaded
+    machine restarts it (the peers' timeout is raised to cover the hold)."""
     out = tmp_path / "final.pt"
     url = seaweed_s3.url(f"ft-outage-{time.time_ns()}")
     result: dict = {}
+    hold = tmp_path / "hold"
+    hold.touch()
 
     def run() -> None:
-        result["proc"] = torchrun(url, out, sleep_ms=400, storage_options=seaweed_s3.storage_options)
+        result["proc"] = torchrun(url, out, sleep_ms=400, storage_options=seaweed_s3.storage_options,
+                                  extra=("--hold", "32", str(hold)), peer_timeout_s=120)
 
     from pipedream_ft.checkpoint import Storage, list_committed, load_part, read_commit
 
@@ -231,6 +238,10 @@ def test_s3_outage_during_training(reference, tmp_path, seaweed_s3):  # noqa: F8
     seaweed_s3.stop()
     time.sleep(4.0)
     seaweed_s3.start()
+    deadline = time.monotonic() + 120
+    while not [c for c in list_committed(storage) if c > before[-1]] and time.monotonic() < deadline:
+        time.sleep(0.2)  # the checkpoint that was being written commits once S3 is back
+    hold.unlink()
     t.join(timeout=280)
     info = finished(result["proc"], out)
     log = result["proc"].stdout + result["proc"].stderr

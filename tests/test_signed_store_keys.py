@@ -170,12 +170,18 @@ def test_a_forged_eviction_and_preemption_do_not_stop_a_running_job(tmp_path, mo
         job.start()
         forger.connect(_store_port(mark))
         rounds = "pipedream_ft/none/round/"
-        token = forger.ask(f"wait {rounds} hello/1")
-        round_id = forger.ask(f"wait {rounds} ack/{token}")
-        for rank in range(4):
-            forger.ask(f"set pipedream_ft/none/{round_id}/live/ evict/{rank} 0")
-        for where in (f"{round_id}/", f"{round_id}/live/e0/"):
-            forger.ask(f"set pipedream_ft/none/{where} preempted 0")
+        try:
+            token = forger.ask(f"wait {rounds} hello/1")
+            round_id = forger.ask(f"wait {rounds} ack/{token}")
+            for rank in range(4):
+                forger.ask(f"set pipedream_ft/none/{round_id}/live/ evict/{rank} 0")
+            for where in (f"{round_id}/", f"{round_id}/live/e0/"):
+                forger.ask(f"set pipedream_ft/none/{where} preempted 0")
+        except AssertionError as exc:  # the store went away: say why the job ended
+            job.join(120)
+            proc = result.get("proc")
+            raise AssertionError(f"{exc}; the job: " + (f"exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-4000:]}"
+                                                        if proc is not None else "still running")) from None
         job.join(300)
         assert not job.is_alive()
     finally:
