@@ -3,6 +3,7 @@ refuses for good ends the job with one line, per-process file systems are refuse
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,9 @@ def test_storage_that_refuses_a_part_for_good_ends_the_job_with_one_line_after_s
     messages = {payload[1] for ok, payload in outcomes.values() if not ok}
     assert all(not ok for ok, _ in outcomes.values()) and len(messages) == 1, outcomes
     line = messages.pop()
-    assert "checkpoint 24" in line and "could not be committed" in line and "rank 1" in line, line
+    # the cut named is the newest one the job took: 24, or an earlier one when a loaded machine deferred the later
+    # cuts while it was still being written
+    assert re.search(r"checkpoint (8|16|24) .*could not be committed", line) and "rank 1" in line, line
     assert "File too large" in line and "tries" not in line, line  # not retried
     assert "\n" not in line
     assert out.exists()  # the training results were saved before the job ended non-zero
