@@ -111,6 +111,10 @@ class CommGroup:
                 pg = self._make(backend, dist.PrefixStore(f"link/{low}-{high}/{channel}/", store),
                                 0 if rank == low else 1, 2)
                 self._links[(peer, channel)] = (pg, 1 if rank == low else 0)
+        # Gloo's mesh handshake is not symmetric: one side of a pair may return from its constructor before the
+        # other has finished, and a rank that then closed its groups at once (a run with nothing to send) would
+        # cut the other off mid-handshake. No rank leaves until every rank has built every group.
+        self._wait(self.control.allreduce([torch.zeros(1)]), "barrier after connecting")
 
     def _build_unless(self, cancelled: Callable[[], bool], poll_s: float, build: Callable[[], None]) -> None:
         """Run ``build`` in a thread; give up on it (it closes what it made once it ends) if ``cancelled()``."""
