@@ -189,13 +189,44 @@ S3_CASES = {
 }
 
 
+def run_held_until_storage_caught_up(url: str, out: Path, faults: str, storage_options: dict, at: int,
+                                     hold: Path) -> subprocess.CompletedProcess:
+    """Run the job with training held at minibatch ``at`` until a checkpoint of the previous interval has
+    committed. Cuts due while a part is still being uploaded are deferred, so on a loaded machine, with S3 slower
+    than training, the run could otherwise end before any cut at or after ``at`` was written, and a fault armed for
+    that write would never fire. Once storage has caught up, the next cut due is taken at once. The peers' timeout
+    covers the hold."""
+    from pipedream_ft.checkpoint import Storage, list_committed
+
+    hold.touch()
+    result: dict = {}
+
+    def run() -> None:
+        result["proc"] = torchrun(url, out, faults, storage_options=storage_options, extra=("--hold", str(at), str(hold)),
+                                  peer_timeout_s=120)
+
+    storage = Storage(url, storage_options)
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 120
+    while t.is_alive() and not [c for c in list_committed(storage) if c >= at - EVERY] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    hold.unlink()
+    t.join(timeout=280)
+    return result["proc"]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", list(S3_CASES))
 def test_fault_through_s3(case, reference, tmp_path, seaweed_s3):  # noqa: F811
     faults, failed_at = S3_CASES[case]
     out = tmp_path / "final.pt"
     url = seaweed_s3.url(f"ft-{case.split()[0]}-{time.time_ns()}")
-    proc = torchrun(url, out, faults, storage_options=seaweed_s3.storage_options)
+    if "crash" in case:
+        proc = run_held_until_storage_caught_up(url, out, faults, seaweed_s3.storage_options, failed_at,
+                                                tmp_path / "hold")
+    else:
+        proc = torchrun(url, out, faults, storage_options=seaweed_s3.storage_options)
     info = finished(proc, out)
     log = proc.stdout + proc.stderr
     resumed = 0 if info["resumed_from"] is None else info["resumed_from"]
