@@ -452,9 +452,11 @@ class PipelineTrainer:
             while True:
                 failure = self._run(data, stop)
                 if failure is None:
+                    self.hooks.on_event("gathering")
                     failure, losses = self._gather_losses()
                     trained = time.perf_counter()  # the result's time: training, not the checkpoints' commit
                 if failure is None and finish:
+                    self.hooks.on_event("finishing")
                     failure = self._finish_checkpoints(stop)
                 if failure is None:
                     break

@@ -71,7 +71,7 @@ class Watchdog:
         while not self._stop.wait(period):
             if self._armed and time.monotonic() - self._last > self.timeout_s:
                 self._armed = False
-                self._on_timeout(f"no progress for {self.timeout_s:.0f}s while {self._what}")
+                self._on_timeout(f"no progress for {self.timeout_s:g}s while {self._what}")
 
     def _exit(self, message: str) -> None:
         say(f"pipedream-ft: rank {self.rank}: watchdog: {message}; exiting so the group restarts")
@@ -94,6 +94,11 @@ class WatchdogHook(Hooks):
     def on_event(self, name: str, **args: Any) -> None:
         if name == "draining":
             self.watchdog.beat("waiting for the last sends")
+        elif name == "gathering":  # a collective, bounded by the group's timeout
+            self.watchdog.beat("gathering the losses")
+        elif name == "finishing":  # waits for storage, bounded by the commit timeout (longer than the watchdog's)
+            self.watchdog.beat("waiting for the last checkpoints to commit")
+            self.watchdog.disarm()
         elif name == "failure":  # the recovery has its own deadline
             self.watchdog.disarm()
         elif name == "recovered":
