@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from datetime import timedelta
@@ -157,16 +158,25 @@ def test_a_forged_eviction_and_preemption_do_not_stop_a_running_job(tmp_path, mo
     """Under real torchrun: an outsider reads the group's round from the store as soon as it is agreed and
     writes eviction records for every rank (what an earlier version obeyed: it killed them) and a preemption
     notice. The job goes on untouched: no process is replaced, nobody stops, the weights are bitwise those of
-    the uninterrupted run, and each supervisor says once that it ignores the record."""
+    the uninterrupted run, and each supervisor says once that it ignores the record.
+
+    Training is held at minibatch 24 (the peers' timeout covers it) until every supervisor has said so: however
+    slowly a loaded machine starts the outsider, the job cannot end before the records are written and read."""
     mark = uuid.uuid4().hex
     monkeypatch.setenv("PDFT_TEST_FORGERY", mark)  # tells the job's processes apart from others' on this machine
     forger = Forger(None, deadline_s=240.0)
-    try:
-        import threading
+    hold = tmp_path / "hold"
+    hold.touch()
+    evictions_ignored = threading.Semaphore(0)
 
+    def on_line(line: str) -> None:
+        if "ignoring an eviction record not signed" in line:
+            evictions_ignored.release()
+
+    try:
         result: dict = {}
-        job = threading.Thread(target=lambda: result.update(
-            zip(("proc", "out"), inplace.torchrun(tmp_path, "", "--sleep-ms", "50"))))
+        job = threading.Thread(target=lambda: result.update(zip(("proc", "out", "lines"), inplace.torchrun_watched(
+            tmp_path, "", "--sleep-ms", "50", "--hold", "24", str(hold), "--timeout", "120", on_line=on_line))))
         job.start()
         forger.connect(_store_port(mark))
         rounds = "pipedream_ft/none/round/"
@@ -178,14 +188,20 @@ def test_a_forged_eviction_and_preemption_do_not_stop_a_running_job(tmp_path, mo
             for where in (f"{round_id}/", f"{round_id}/live/e0/"):
                 forger.ask(f"set pipedream_ft/none/{where} preempted 0")
         except AssertionError as exc:  # the store went away: say why the job ended
+            hold.unlink()
             job.join(120)
             proc = result.get("proc")
             raise AssertionError(f"{exc}; the job: " + (f"exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-4000:]}"
                                                         if proc is not None else "still running")) from None
+        deadline = time.monotonic() + 120
+        for _ in range(4):  # every supervisor has read its record and ignored it
+            evictions_ignored.acquire(timeout=max(0.0, deadline - time.monotonic()))
+        hold.unlink()
         job.join(300)
         assert not job.is_alive()
     finally:
         forger.close()
+        hold.unlink(missing_ok=True)
     info = inplace.summary(result["proc"], result["out"])
     log = info["log"]
     assert "starting replacement" not in log and "preempted:" not in log, log[-4000:]
