@@ -92,7 +92,9 @@ class PipelineConfig:
     timeout_s: float = 45.0
     """Longest wait for a peer (a transfer, an all-reduce) before the rank fails naming it."""
     watchdog_s: float | None = 60.0
-    """Fail the rank if it makes no progress at all for this long (``None``: no watchdog)."""
+    """Fail the rank if it makes no progress at all for this long while it trains (``None``: no watchdog). Waits
+    that have deadlines of their own are not watched: an in-place recovery (``recovery_timeout_s``) and ``fit``'s
+    wait for its last checkpoints to commit (``CheckpointConfig.commit_timeout_s``)."""
     health_file: str | None = field(default_factory=lambda: setting("PIPEDREAM_FT_HEALTH_FILE"))
     """Refreshed while the rank makes progress (for liveness probes); default ``$PIPEDREAM_FT_HEALTH_FILE``."""
     trace_dir: str | None = field(default_factory=lambda: setting("PIPEDREAM_FT_TRACE_DIR"))
