@@ -68,12 +68,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 
-from examples.gpt import gpt  # noqa: E402
-from examples.models import digits_cnn  # noqa: E402
-from examples.text_data import TextData  # noqa: E402
-from examples.train_digits import DigitsData  # noqa: E402
-from examples.train_digits import make_optimizer as digits_optimizer  # noqa: E402
-from examples.train_gpt import held_out_loss, lm_loss, make_optimizer  # noqa: E402
+from pipedream_ft_examples.gpt import gpt  # noqa: E402
+from pipedream_ft_examples.models import digits_cnn  # noqa: E402
+from pipedream_ft_examples.text_data import TextData  # noqa: E402
+from pipedream_ft_examples.train_digits import DigitsData  # noqa: E402
+from pipedream_ft_examples.train_digits import make_optimizer as digits_optimizer  # noqa: E402
+from pipedream_ft_examples.train_gpt import held_out_loss, lm_loss, make_optimizer  # noqa: E402
 from pipedream_ft.pipeline.compensation import Compensation  # noqa: E402
 from pipedream_ft.schedules import Costs, build, simulate  # noqa: E402
 from pipedream_reference import minibatch_sgd_reference, two_bw_reference, weight_stashing_reference  # noqa: E402

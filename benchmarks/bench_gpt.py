@@ -2,7 +2,7 @@
 
 Run: ``python benchmarks/bench_gpt.py [--quick] [--minibatches 120] [--batch-size 16] [--block-size 64]``.
 
-The model is ``examples.gpt:gpt`` (4 blocks, width 128, 0.8 M parameters, tied embeddings), the data
+The model is ``pipedream_ft_examples.gpt:gpt`` (4 blocks, width 128, 0.8 M parameters, tied embeddings), the data
 ``examples/text_data.py`` (byte windows of Python's help text), the optimizer AdamW. In the same run:
 
 1. profile the model layer by layer and plan a straight 4-stage pipeline (``partition(..., straight=True)``;
@@ -55,13 +55,13 @@ class Settings:
 
 
 def _data(s: Settings) -> Any:
-    from examples.text_data import TextData
+    from pipedream_ft_examples.text_data import TextData
 
     return TextData(s.block_size, s.batch_size, seed=0)
 
 
 def _optimizer(s: Settings) -> Any:
-    from examples.train_gpt import make_optimizer
+    from pipedream_ft_examples.train_gpt import make_optimizer
 
     return make_optimizer("adamw", s.lr)
 
@@ -70,7 +70,7 @@ def make_plan(s: Settings) -> tuple[Any, Any]:
     """The straight 4-stage plan and the partitioner's unconstrained one, from a fresh profile."""
     import torch
 
-    from examples.gpt import gpt
+    from pipedream_ft_examples.gpt import gpt
     from partitioner import partition
     from profiler.measure import profile_model
 
@@ -84,8 +84,8 @@ def single_process(s: Settings, threads: int) -> dict[str, float]:
     """Plain training of the same model: seconds per minibatch over the run after a warm-up of 5."""
     import torch
 
-    from examples.gpt import gpt
-    from examples.train_gpt import lm_loss
+    from pipedream_ft_examples.gpt import gpt
+    from pipedream_ft_examples.train_gpt import lm_loss
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -113,8 +113,8 @@ def single_process(s: Settings, threads: int) -> dict[str, float]:
 def _rank_main(s: Settings, plan_json: dict[str, Any], mode: str) -> dict[str, Any]:
     import torch
 
-    from examples.gpt import gpt
-    from examples.train_gpt import lm_loss
+    from pipedream_ft_examples.gpt import gpt
+    from pipedream_ft_examples.train_gpt import lm_loss
     from partitioner.plan import Plan
     from pipedream_ft import PipelineConfig, PipelineTrainer
 

@@ -5,7 +5,7 @@
    time of a plain training step of the same model on the same GPU (*prediction / measured*), with and
    without the timer's own cost per call taken off (``profiler.measure.call_overhead_ms``).
 2. **A 1-rank NCCL pipeline**: the profile planned for one worker, ``torchrun --nproc-per-node 1 -m
-   examples.train_gpt`` under NCCL (300 minibatches, checkpoints every 50); tokens/s and held-out loss.
+   pipedream_ft_examples.train_gpt`` under NCCL (300 minibatches, checkpoints every 50); tokens/s and held-out loss.
 3. **Recovery on the GPU**: the same run killed at minibatch 150, once recovered in place and once restarted by
    torchrun from the last durable checkpoint; each run's final weights against the uninterrupted run's
    (largest absolute difference: CUDA's embedding backward adds with atomics, so bitwise is not promised).
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. the profiler on CUDA
     torch.manual_seed(0)
-    from examples.gpt import gpt
+    from pipedream_ft_examples.gpt import gpt
 
     ids = torch.randint(0, 256, (16, 64))
     results["profile"] = [_profile_check("gpt-example", gpt(), (ids,))]
@@ -188,12 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[profile llama] failed: {type(e).__name__}: {e}", flush=True)
 
     # 2. a 1-rank NCCL pipeline: profile, plan, train
-    rc = _run("profile-cli", [py, "-m", "profiler.cli", "examples.gpt:gpt", "--int-input", "256", "--input-shape",
+    rc = _run("profile-cli", [py, "-m", "profiler.cli", "pipedream_ft_examples.gpt:gpt", "--int-input", "256", "--input-shape",
                               "64", "--batch-size", "16", "--device", "cuda", "-o", "gpt.prof.json"], out, 300)
     rc = rc or _run("partition", [py, "-m", "partitioner.cli", "gpt.prof.json", "--workers", "1", "--bandwidth",
                                   "1e11", "-o", "gpt.plan.json"], out, 120)
     torchrun = [py, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
-    train = ["-m", "examples.train_gpt", "--plan", "gpt.plan.json", "--steps", str(args.steps), "--sample", "0",
+    train = ["-m", "pipedream_ft_examples.train_gpt", "--plan", "gpt.plan.json", "--steps", str(args.steps), "--sample", "0",
              "--ckpt-every", "50"]
     runs: dict[str, dict[str, Any]] = {}
     if rc == 0:

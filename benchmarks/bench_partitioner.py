@@ -14,7 +14,7 @@ median of ``--repeats`` runs of ``partition`` (this machine is shared: the sprea
   scalable search switched off), run in a subprocess with ``--old-timeout``; ``same`` says whether both found
   the same optimum; ``path`` which path planned it (``general`` where the scalable search could not rule out
   stages replicated across machines, e.g. 1,000 layers on 1,024 workers: that case takes minutes).
-* **resnet-like** (``--layers``): a chain with a residual edge around every 7 layers. **gpt**: ``examples.gpt``
+* **resnet-like** (``--layers``): a chain with a residual edge around every 7 layers. **gpt**: ``pipedream_ft_examples.gpt``
   (GPTConfig defaults: vocab 256, 128 wide, 4 heads, a minibatch of 8 sequences of 128 tokens) profiled on this
   machine's CPU at ``n_layer`` 4, 12 and 24; ``--uncontracted`` adds the n_layer-4 GPT with every value layer as
   a cut point, as the planner did before value layers existed (slow).
@@ -81,17 +81,17 @@ def resnet_like_profile(num_layers: int = 700, seed: int = 0, block: int = 7) ->
 
 
 def gpt_profile(n_layer: int, batch: int = 8, seq: int = 128, seed: int = 0) -> Profile:
-    """A measured profile of ``examples.gpt.gpt(n_layer=n_layer)`` on ``batch`` x ``seq`` random tokens (CPU)."""
+    """A measured profile of ``pipedream_ft_examples.gpt.gpt(n_layer=n_layer)`` on ``batch`` x ``seq`` random tokens (CPU)."""
     import torch
 
-    from examples.gpt import gpt
+    from pipedream_ft_examples.gpt import gpt
     from profiler.measure import profile_model
 
     torch.manual_seed(seed)
     torch.set_num_threads(1)
     model = gpt(n_layer=n_layer)
     tokens = torch.randint(0, model.config.vocab_size, (batch, seq))
-    return profile_model(model, tokens, warmup=1, repeats=3, meta={"model": f"examples.gpt:gpt(n_layer={n_layer})"})
+    return profile_model(model, tokens, warmup=1, repeats=3, meta={"model": f"pipedream_ft_examples.gpt:gpt(n_layer={n_layer})"})
 
 
 def _all_tensor(profile: Profile) -> Profile:

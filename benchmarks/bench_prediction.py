@@ -76,14 +76,14 @@ def make_case(name: str) -> tuple[Any, Any, Any, Any]:
         return (sleep_model(4, fwd, bwd), data, nn.functional.mse_loss,
                 lambda p: torch.optim.SGD(p, lr=1e-4, momentum=0.9))
     if name == "digits":
-        from examples.models import digits_cnn
-        from examples.train_digits import DigitsData, make_optimizer
+        from pipedream_ft_examples.models import digits_cnn
+        from pipedream_ft_examples.train_digits import DigitsData, make_optimizer
 
         return digits_cnn(), DigitsData(32, 0), nn.functional.cross_entropy, make_optimizer("adam", None)
     if name == "gpt":
-        from examples.gpt import gpt
-        from examples.text_data import TextData
-        from examples.train_gpt import lm_loss, make_optimizer
+        from pipedream_ft_examples.gpt import gpt
+        from pipedream_ft_examples.text_data import TextData
+        from pipedream_ft_examples.train_gpt import lm_loss, make_optimizer
 
         return gpt(), TextData(64, 16, seed=0), lm_loss, make_optimizer("adamw", 3e-4)
     raise ValueError(f"unknown case {name!r}")

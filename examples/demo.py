@@ -2,7 +2,7 @@
 
     python examples/demo.py [--out runs/demo] [--steps 300] [--kill-at 130]
 
-1. profiles ``examples.models:digits_cnn`` layer by layer (``pipedream-profile``),
+1. profiles ``pipedream_ft_examples.models:digits_cnn`` layer by layer (``pipedream-profile``),
 2. plans it for 4 workers with PipeDream's dynamic program (``pipedream-partition``),
 3. trains it on scikit-learn's digits with ``torchrun`` on 4 CPU processes, checkpointing to a local directory,
    with rank 2's training process killed (SIGKILL) part-way; its supervisor starts a replacement, the other three
@@ -54,7 +54,7 @@ def main() -> int:
     t0 = time.time()
 
     print("== 1. profile", flush=True)
-    run([py, "-m", "profiler.cli", "examples.models:digits_cnn", "--input-shape", "1,8,8", "--batch-size", "32",
+    run([py, "-m", "profiler.cli", "pipedream_ft_examples.models:digits_cnn", "--input-shape", "1,8,8", "--batch-size", "32",
          "-o", str(out / "digits.prof.json")])
     print("== 2. plan a straight 4-stage pipeline for 4 workers", flush=True)
     print(run([py, "-m", "partitioner.cli", str(out / "digits.prof.json"), "--workers", "4", "--bandwidth", "1e9",

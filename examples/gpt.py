@@ -148,5 +148,5 @@ class GPT(nn.Module):
 
 
 def gpt(**overrides: Any) -> GPT:
-    """A :class:`GPT` with :class:`GPTConfig` defaults, any field overridden by keyword (``examples.gpt:gpt``)."""
+    """A :class:`GPT` with :class:`GPTConfig` defaults, any field overridden by keyword (``pipedream_ft_examples.gpt:gpt``)."""
     return GPT(replace(GPTConfig(), **overrides))

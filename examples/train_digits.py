@@ -7,7 +7,7 @@ computes the same minibatch ``b`` on its own.
 
 Usage::
 
-    pipedream-profile examples.models:digits_cnn --input-shape 1,8,8 --batch-size 32 -o digits.prof.json
+    pipedream-profile pipedream_ft_examples.models:digits_cnn --input-shape 1,8,8 --batch-size 32 -o digits.prof.json
     pipedream-partition digits.prof.json --workers 4 --bandwidth 1e9 -o digits.plan.json
     torchrun --nproc-per-node 4 examples/train_digits.py --plan digits.plan.json --steps 200
 
@@ -22,18 +22,14 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
-from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `examples` must import
-
 import pipedream_ft  # noqa: E402
-from examples.models import digits_cnn  # noqa: E402
+from pipedream_ft_examples.models import digits_cnn  # noqa: E402
 from partitioner.plan import Plan, load_plan  # noqa: E402
 from pipedream_ft.errors import PipelineSetupError  # noqa: E402
 from pipedream_ft import CheckpointConfig  # noqa: E402

@@ -2,11 +2,11 @@
 
 The flow, on one machine with 4 CPU processes::
 
-    pipedream-profile examples.gpt:gpt --int-input 256 --input-shape 64 --batch-size 16 -o gpt.prof.json
+    pipedream-profile pipedream_ft_examples.gpt:gpt --int-input 256 --input-shape 64 --batch-size 16 -o gpt.prof.json
     pipedream-partition gpt.prof.json --workers 4 --bandwidth 1e9 --straight -o gpt.plan.json
     torchrun --nproc-per-node 4 examples/train_gpt.py --plan gpt.plan.json --steps 300
 
-``examples.gpt:gpt`` is the default size (4 layers, 4 heads, width 128, 256 byte tokens, positions up to 128:
+``pipedream_ft_examples.gpt:gpt`` is the default size (4 layers, 4 heads, width 128, 256 byte tokens, positions up to 128:
 0.8 M parameters); ``--input-shape 64`` is the context length ``T`` of the token-id input ``(B, T)`` and
 should match ``--block-size``. ``--straight`` keeps one worker per stage. Without it the partitioner may
 replicate stages, but never the ones holding part of a tied weight (here the token embedding in the first
@@ -18,7 +18,7 @@ recovered run's final weights are bitwise those of an uninterrupted one. ``pytho
 --single-process ...`` trains the same model on the same data with the same optimizer in one plain process
 (no plan, no torchrun), for comparison.
 
-The text is ``pydoc_data.topics`` (see :mod:`examples.text_data`): a seeded 10% of it is held out, minibatch
+The text is ``pydoc_data.topics`` (see :mod:`pipedream_ft_examples.text_data`): a seeded 10% of it is held out, minibatch
 ``b`` is a deterministic set of random windows of the rest. Rank 0 prints the mean loss of every 20 minibatches,
 then ``first loss``/``final loss`` (means of the first and last 20), the held-out loss of the gathered weights
 (``trainer.full_state_dict()`` loaded into a plain ``GPT``), a sample of generated text, and tokens/s.
@@ -46,7 +46,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -54,11 +53,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `examples` must import
-
-from examples.gpt import GPT, gpt  # noqa: E402
-from examples.text_data import TextData, decode  # noqa: E402
-from examples.train_digits import round_steps  # noqa: E402
+from pipedream_ft_examples.gpt import GPT, gpt  # noqa: E402
+from pipedream_ft_examples.text_data import TextData, decode  # noqa: E402
+from pipedream_ft_examples.train_digits import round_steps  # noqa: E402
 from partitioner.plan import Plan, load_plan  # noqa: E402
 import pipedream_ft  # noqa: E402
 from pipedream_ft import CheckpointConfig, PipelineConfig, PipelineSetupError, PipelineTrainer  # noqa: E402

@@ -2,7 +2,7 @@
 
 Example (from the repository root)::
 
-    pipedream-profile examples.models:digits_cnn --input-shape 1,8,8 --batch-size 32 -o digits.json
+    pipedream-profile pipedream_ft_examples.models:digits_cnn --input-shape 1,8,8 --batch-size 32 -o digits.json
 
 The model is ``MODULE:FACTORY`` (imported with the current directory on the path) or ``path/to/file.py:FACTORY``
 (from any directory; the file's directory goes on the path, so it may import its neighbours); ``--model``
@@ -38,7 +38,7 @@ PROG = "pipedream-profile"
 def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog=PROG, description="Profile a PyTorch model layer by layer for PipeDream partitioning.")
     p.add_argument("target", nargs="?", metavar="MODULE:FACTORY",
-                   help="factory returning the model, e.g. examples.models:digits_cnn or path/to/file.py:factory")
+                   help="factory returning the model, e.g. pipedream_ft_examples.models:digits_cnn or path/to/file.py:factory")
     p.add_argument("--model", metavar="MODULE:FACTORY", help="the model, as the positional argument names it")
     p.add_argument("--input-shape", metavar="C,H,W", help="shape of one sample, comma separated (one input)")
     p.add_argument("--input", action="append", default=[], metavar="NAME:SHAPE[:KIND]",
@@ -108,7 +108,7 @@ def _load_factory(target: str) -> tuple[str, Any]:
     module_name, sep, attr = target.rpartition(":")
     if not sep or not module_name or not attr:
         raise CliError(f"bad model {target!r}: expected MODULE:FACTORY or path/to/file.py:FACTORY, e.g. "
-                       "examples.models:digits_cnn")
+                       "pipedream_ft_examples.models:digits_cnn")
     if module_name.endswith(".py"):
         module = _load_file(module_name)
     else:

@@ -8,7 +8,7 @@ JSON format (``"format": "pipedream-ft-profile"``, ``"version": 1``)::
     {
       "format": "pipedream-ft-profile",
       "version": 1,
-      "meta": {"model": "examples.models:small_cnn", "batch_size": 32, "device": "cpu", ...},
+      "meta": {"model": "pipedream_ft_examples.models:small_cnn", "batch_size": 32, "device": "cpu", ...},
       "layers": [
         {"name": "0", "description": "Conv2d(1, 16, ...)", "forward_ms": 0.41, "backward_ms": 0.83,
          "activation_bytes": 131072, "parameter_bytes": 640},

@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 os.environ.setdefault("PIPEDREAM_FT_LOG_DIR", tempfile.mkdtemp(prefix="pipedream-ft-test-logs-"))
 
 _ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:  # the examples package is not installed; `pytest` alone must find it too
+if str(_ROOT) not in sys.path:  # `pytest` alone (no install) finds the project's packages too
     sys.path.insert(0, str(_ROOT))
 
 __all__ = ["shared_profiles"]

@@ -156,7 +156,7 @@ GPT_SIZE = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
 
 def tiny_gpt() -> nn.Module:
-    from examples.gpt import gpt
+    from pipedream_ft_examples.gpt import gpt
 
     torch.manual_seed(0)
     return gpt(**GPT_SIZE)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from examples.models import digits_cnn
-from examples.train_digits import DigitsData, round_steps
+from pipedream_ft_examples.models import digits_cnn
+from pipedream_ft_examples.train_digits import DigitsData, round_steps
 from partitioner.plan import Plan
 from pipedream_ft.errors import PipelineSetupError
 from profiler.layers import structure_profile
@@ -130,11 +130,11 @@ def test_profile_partition_train_chain(tmp_path):
     env.pop("PYTHONPATH", None)
     bin_dir = Path(sys.executable).parent
     for cmd in (
-        [str(bin_dir / "pipedream-profile"), "examples.models:digits_cnn", "--input-shape", "1,8,8",
+        [str(bin_dir / "pipedream-profile"), "pipedream_ft_examples.models:digits_cnn", "--input-shape", "1,8,8",
          "--batch-size", "32", "-o", "digits.prof.json"],
         [str(bin_dir / "pipedream-partition"), "digits.prof.json", "--workers", "4", "--bandwidth", "1e9",
          "-o", "digits.plan.json"],
-        [str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", "4", "-m", "examples.train_digits",
+        [str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", "4", "-m", "pipedream_ft_examples.train_digits",
          "--plan", "digits.plan.json", "--steps", "200"],
     ):
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)

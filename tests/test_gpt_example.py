@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from dist_helpers import free_port
-from examples.gpt import gpt
-from examples.text_data import TextData, corpus_bytes, decode
-from examples.train_gpt import default_lr, generate, held_out_loss, lr_factor, parse_args, weight_delay
+from pipedream_ft_examples.gpt import gpt
+from pipedream_ft_examples.text_data import TextData, corpus_bytes, decode
+from pipedream_ft_examples.train_gpt import default_lr, generate, held_out_loss, lr_factor, parse_args, weight_delay
 from partitioner import partition
 from partitioner.plan import Plan
 from profiler.measure import profile_model
@@ -60,7 +60,7 @@ def _figure(stdout: str, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def plan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The partitioner's straight 4-stage plan for ``examples.gpt:gpt`` (as ``pipedream-profile`` profiles it)."""
+    """The partitioner's straight 4-stage plan for ``pipedream_ft_examples.gpt:gpt`` (as ``pipedream-profile`` profiles it)."""
     torch.manual_seed(0)
     profile = profile_model(gpt(), torch.randint(0, 256, (8, 32)), warmup=0, repeats=1)
     plan = partition(profile, 4, 1e9, straight=True)
@@ -105,7 +105,7 @@ def test_lr_schedule_and_the_default_lr_follow_the_weight_delay() -> None:
 def test_the_lr_schedule_counts_each_mode_s_minibatches_per_update() -> None:
     """The LR schedule steps once per update: 2bw updates once per --update-every minibatches (default: one per
     stage), flush once per --flush-every, the asynchronous modes once per round of a stage's replicas."""
-    from examples.train_gpt import _update_unit
+    from pipedream_ft_examples.train_gpt import _update_unit
 
     straight = Plan.from_stages([[0], [1], [2], [3]], [1, 1, 1, 1], profile_hash="x", layer_names=list("abcd"))
     unit = {extra: _update_unit(parse_args(["--plan", "p.json", *extra.split()]), straight, 1)

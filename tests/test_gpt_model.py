@@ -7,7 +7,7 @@ import torch
 import torch.fx
 from torch.nn import functional as F
 
-from examples.gpt import GPT, GPTConfig, gpt
+from pipedream_ft_examples.gpt import GPT, GPTConfig, gpt
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from dist_helpers import run_world
-from examples.text_data import TextData
+from pipedream_ft_examples.text_data import TextData
 from partitioner import partition
 from partitioner.plan import Plan
 from profiler.hf import gpt2_for_pipeline

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from examples.models import digits_cnn, digits_resnet, mlp
+from pipedream_ft_examples.models import digits_cnn, digits_resnet, mlp
 from profiler.layers import LayerGraph, layer_graph, structure_profile
 from profiler.measure import profile_model
 

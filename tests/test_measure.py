@@ -11,7 +11,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from examples.models import digits_cnn, digits_resnet, mlp
+from pipedream_ft_examples.models import digits_cnn, digits_resnet, mlp
 from profiler import Profile, load_profile
 from profiler.layers import layer_graph, tensor_bytes
 from profiler.measure import profile_model, resolve_device
@@ -72,7 +72,7 @@ def test_fx_profile_times_residual_add() -> None:
     torch.manual_seed(0)
     model = digits_resnet()
     x = torch.randn(8, 1, 8, 8)
-    p = profile_model(model, x, meta={"model": "examples.models:digits_resnet"}, **FAST)
+    p = profile_model(model, x, meta={"model": "pipedream_ft_examples.models:digits_resnet"}, **FAST)
     g = layer_graph(model)
     assert [l.name for l in p.layers] == g.names
     assert list(p.edges) == g.edges
@@ -84,7 +84,7 @@ def test_fx_profile_times_residual_add() -> None:
     for layer in p.layers:
         assert layer.activation_bytes == tensor_bytes(seen[layer.name]), layer.name
     assert sum(l.parameter_bytes for l in p.layers) == sum(q.numel() * 4 for q in model.parameters())
-    assert p.meta["model"] == "examples.models:digits_resnet"
+    assert p.meta["model"] == "pipedream_ft_examples.models:digits_resnet"
     assert p.meta["batch_size"] == 8
 
 
@@ -248,7 +248,7 @@ def test_module_returning_no_tensor_is_refused(model: nn.Module) -> None:
 
 
 def test_tied_groups_and_inputs_of_a_measured_gpt() -> None:
-    from examples.gpt import gpt
+    from pipedream_ft_examples.gpt import gpt
     from profiler.layers import structure_profile
 
     torch.manual_seed(0)

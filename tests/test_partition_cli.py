@@ -196,7 +196,7 @@ def test_subprocess_error_exit_status(tmp_path):
 def test_gpt_profile_with_value_layers(tmp_path, capsys):
     import torch
 
-    from examples.gpt import gpt
+    from pipedream_ft_examples.gpt import gpt
     from profiler.measure import profile_model
 
     torch.manual_seed(0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from examples.gpt import gpt
+from pipedream_ft_examples.gpt import gpt
 from partitioner import partition
 from partitioner.antichain import linearize
 from partitioner.contract import contract

@@ -179,7 +179,7 @@ def test_structure_hash_differs_for_different_structure() -> None:
 
 
 def test_structure_hash_differs_for_different_models() -> None:
-    from examples.models import digits_cnn, digits_resnet, mlp
+    from pipedream_ft_examples.models import digits_cnn, digits_resnet, mlp
     from profiler.layers import structure_profile
 
     hashes = {structure_profile(m).structure_hash() for m in (digits_cnn(), digits_resnet(), mlp(), mlp((64, 32, 10)))}

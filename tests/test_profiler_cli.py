@@ -35,11 +35,11 @@ def _error_line(capsys: pytest.CaptureFixture[str]) -> str:
 
 def test_profile_cnn_to_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "cnn.json"
-    rc = main(["examples.models:digits_cnn", "--input-shape", "1,8,8", "--batch-size", "4", *FAST, "-o", str(out)])
+    rc = main(["pipedream_ft_examples.models:digits_cnn", "--input-shape", "1,8,8", "--batch-size", "4", *FAST, "-o", str(out)])
     assert rc == 0
     p = load_profile(out)
     assert len(p) == 11 and p.is_chain()
-    assert p.meta["model"] == "examples.models:digits_cnn"
+    assert p.meta["model"] == "pipedream_ft_examples.models:digits_cnn"
     assert p.meta["batch_size"] == 4 and p.meta["input_shapes"] == [[4, 1, 8, 8]]
     stdout = capsys.readouterr().out
     assert "fwd ms" in stdout and "total" in stdout and str(out) in stdout
@@ -48,7 +48,7 @@ def test_profile_cnn_to_json(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 def test_profile_resnet_to_graph_txt(tmp_path: Path) -> None:
     out = tmp_path / "resnet.graph.txt"
-    rc = main(["examples.models:digits_resnet", "--input-shape", "1,8,8", "--batch-size", "2", *FAST, "-o", str(out)])
+    rc = main(["pipedream_ft_examples.models:digits_resnet", "--input-shape", "1,8,8", "--batch-size", "2", *FAST, "-o", str(out)])
     assert rc == 0
     text = out.read_text()
     assert text.startswith("node1 -- Conv2d(1, 16")
@@ -57,11 +57,11 @@ def test_profile_resnet_to_graph_txt(tmp_path: Path) -> None:
 
 
 def test_structure_hash_matches_in_process_profile(tmp_path: Path) -> None:
-    from examples.models import mlp
+    from pipedream_ft_examples.models import mlp
     from profiler.layers import structure_profile
 
     out = tmp_path / "mlp.json"
-    assert main(["examples.models:mlp", "--input-shape", "64", "--batch-size", "3", *FAST, "-o", str(out)]) == 0
+    assert main(["pipedream_ft_examples.models:mlp", "--input-shape", "64", "--batch-size", "3", *FAST, "-o", str(out)]) == 0
     assert load_profile(out).structure_hash() == structure_profile(mlp()).structure_hash()
 
 
@@ -83,18 +83,18 @@ def test_int_input_and_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 
 
 BAD = [
-    (["examples.models"], "MODULE:FACTORY"),
-    (["examples.models:"], "MODULE:FACTORY"),
+    (["pipedream_ft_examples.models"], "MODULE:FACTORY"),
+    (["pipedream_ft_examples.models:"], "MODULE:FACTORY"),
     (["no_such_module_xyz:f"], "cannot import"),
-    (["examples.models:no_such_factory"], "no attribute"),
-    (["examples.models:mlp", "--input-shape", "1,x,8"], "--input-shape"),
-    (["examples.models:mlp", "--input-shape", "0,8"], "--input-shape"),
-    (["examples.models:mlp", "--batch-size", "0"], "--batch-size"),
-    (["examples.models:mlp", "--device", "warp9"], "device"),
-    (["examples.models:mlp", "--dtype", "float99"], "dtype"),
-    (["examples.models:mlp", "--dtype", "int32"], "dtype"),
-    (["examples.models:digits_cnn"], "failed"),  # the shape 64 does not fit a CNN
-    (["examples.models:mlp", "--bogus-flag"], "unrecognized"),
+    (["pipedream_ft_examples.models:no_such_factory"], "no attribute"),
+    (["pipedream_ft_examples.models:mlp", "--input-shape", "1,x,8"], "--input-shape"),
+    (["pipedream_ft_examples.models:mlp", "--input-shape", "0,8"], "--input-shape"),
+    (["pipedream_ft_examples.models:mlp", "--batch-size", "0"], "--batch-size"),
+    (["pipedream_ft_examples.models:mlp", "--device", "warp9"], "device"),
+    (["pipedream_ft_examples.models:mlp", "--dtype", "float99"], "dtype"),
+    (["pipedream_ft_examples.models:mlp", "--dtype", "int32"], "dtype"),
+    (["pipedream_ft_examples.models:digits_cnn"], "failed"),  # the shape 64 does not fit a CNN
+    (["pipedream_ft_examples.models:mlp", "--bogus-flag"], "unrecognized"),
 ]
 
 
@@ -109,7 +109,7 @@ def test_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[
 
 def test_factory_raising(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "p.json"
-    argv = ["examples.models:mlp", "--input-shape", "64", "--batch-size", "2", "-o", str(out)]
+    argv = ["pipedream_ft_examples.models:mlp", "--input-shape", "64", "--batch-size", "2", "-o", str(out)]
     (tmp_path / "badfactory.py").write_text(
         "def boom():\n    raise RuntimeError('no model\\ntoday')\ndef notmodel():\n    return 42\n"
     )
@@ -131,21 +131,21 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_missing_required_arguments(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["examples.models:mlp"]) == 2
+    assert main(["pipedream_ft_examples.models:mlp"]) == 2
     assert "required" in _error_line(capsys)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
 def test_cuda_unavailable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "p.json"
-    argv = ["examples.models:mlp", "--input-shape", "64", "--batch-size", "2", "--device", "cuda:0", "-o", str(out)]
+    argv = ["pipedream_ft_examples.models:mlp", "--input-shape", "64", "--batch-size", "2", "--device", "cuda:0", "-o", str(out)]
     assert main(argv) == 2
     assert "CUDA is not available" in _error_line(capsys)
     assert not out.exists()
 
 
 def test_unwritable_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["examples.models:mlp", "--input-shape", "64", "--batch-size", "2", *FAST, "-o"]
+    argv = ["pipedream_ft_examples.models:mlp", "--input-shape", "64", "--batch-size", "2", *FAST, "-o"]
     assert main([*argv, str(tmp_path / "missing" / "p.json")]) == 2
     assert "does not exist" in _error_line(capsys)
     assert main([*argv, str(tmp_path)]) == 2
@@ -156,7 +156,7 @@ def test_unwritable_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 def test_existing_output_kept_on_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "p.json"
     out.write_text("old")
-    argv = ["examples.models:digits_cnn", "--input-shape", "3", "--batch-size", "2", *FAST, "-o", str(out)]
+    argv = ["pipedream_ft_examples.models:digits_cnn", "--input-shape", "3", "--batch-size", "2", *FAST, "-o", str(out)]
     assert main(argv) == 2
     _error_line(capsys)
     assert out.read_text() == "old"
@@ -165,7 +165,7 @@ def test_existing_output_kept_on_error(tmp_path: Path, capsys: pytest.CaptureFix
 
 def test_subprocess_exit_status_and_single_line(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
-    cmd = [sys.executable, "-m", "profiler.cli", "examples.models:nope", "--input-shape", "1,8,8", "--batch-size", "2", "-o", str(out)]
+    cmd = [sys.executable, "-m", "profiler.cli", "pipedream_ft_examples.models:nope", "--input-shape", "1,8,8", "--batch-size", "2", "-o", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -178,7 +178,7 @@ def test_subprocess_exit_status_and_single_line(tmp_path: Path) -> None:
 @pytest.mark.parametrize("suffix", [".json", ".txt"])
 def test_gpt_value_layers_and_tied_embedding(tmp_path: Path, capsys: pytest.CaptureFixture[str], suffix: str) -> None:
     out = tmp_path / f"gpt{suffix}"
-    rc = main(["examples.gpt:gpt", "--int-input", "256", "--input-shape", "16", "--batch-size", "2", *FAST,
+    rc = main(["pipedream_ft_examples.gpt:gpt", "--int-input", "256", "--input-shape", "16", "--batch-size", "2", *FAST,
                "-o", str(out)])
     assert rc == 0
     stdout = capsys.readouterr().out
@@ -228,14 +228,14 @@ def test_a_file_path_model_with_several_inputs_from_another_directory(tmp_path: 
     (["--input", "x:4:int32"], "kind 'int32'"),
     (["--input", "x:4", "--input", "x:4"], "must differ"),
     (["--input", "x:4", "--input-shape", "4"], "--input-shape (one input) or"),
-    (["--model", "examples.models:mlp", "--input-shape", "64"], "name the model once"),
+    (["--model", "pipedream_ft_examples.models:mlp", "--input-shape", "64"], "name the model once"),
     (["--input-shape", "64"], "name the model once"),
     (["--input", "input:64"], ""),
 ])
 def test_input_and_model_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
                                 expect: str) -> None:
     out = tmp_path / "p.json"
-    target = [] if extra == ["--input-shape", "64"] else ["examples.models:mlp"]  # with --model: named twice
+    target = [] if extra == ["--input-shape", "64"] else ["pipedream_ft_examples.models:mlp"]  # with --model: named twice
     rc = main([*target, "--batch-size", "2", *FAST, "-o", str(out), *extra])
     if not expect:  # --input with the model's one input name works like --input-shape
         assert rc == 0 and [i.name for i in load_profile(str(out)).inputs] == ["input"]

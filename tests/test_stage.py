@@ -7,7 +7,7 @@ from partitioner.plan import Plan
 from pipedream_ft.pipeline.stage import boundaries, build_stage, executed_layers, model_layers
 from pipedream_ft.pipeline.tied import find_tied
 from runtime_cases import SkipNet, mlp, plan_for
-from examples.models import digits_resnet
+from pipedream_ft_examples.models import digits_resnet
 
 pytestmark = pytest.mark.timeout(60)
 
