@@ -65,7 +65,8 @@ def main() -> int:
     run([py, "-m", "profiler.cli", "pipedream_ft_examples.models:digits_cnn", "--input-shape", "1,8,8", "--batch-size", "32",
          "-o", str(out / "digits.prof.json")])
     print("== 2. plan a straight 4-stage pipeline for 4 workers (--straight: a model this small is usually planned "
-          "as plain data parallelism, and the demo shows a pipeline; the speedup line says what that costs)", flush=True)
+          "as plain data parallelism, and the demo shows a pipeline; the speedup line says what that costs)",
+          flush=True)
     print(run([py, "-m", "partitioner.cli", str(out / "digits.prof.json"), "--workers", "4", "--bandwidth", "1e9",
                "--straight", "-o", str(out / "digits.plan.json")]).rstrip())
 

@@ -66,18 +66,20 @@ def _parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog=PROG, description="Split a profiled model into PipeDream pipeline stages.")
     ap.add_argument("profile", help="profile: pipedream-ft JSON or PipeDream graph.txt")
     ap.add_argument("--workers", "-n", action="append", type=_WORKERS,
-                    help="workers at one level (repeat for levels, innermost first)")
+                    help="workers (training processes) at one level (repeat for levels, innermost first)")
     ap.add_argument("--bandwidth", "-b", action="append", type=_BANDWIDTH,
                     help="bandwidth of one level in bytes/s, e.g. 1e9 (repeat like --workers)")
     ap.add_argument("--machine", metavar="PROBE_JSON", help="machine profile written by pipedream-probe")
-    ap.add_argument("--straight", action="store_true", help="no replication: one worker per stage")
+    ap.add_argument("--straight", action="store_true",
+                    help="a pipeline without replication: one stage per worker, never pure data parallelism")
     ap.add_argument("--memory", type=_MEMORY, default=None, help="memory per worker in bytes")
     ap.add_argument("--schedule", metavar="NAME|auto|T.csv", default=None,
                     help=f"rank the schedules for the plan and pick NAME ({', '.join(RUNNABLE)}), with auto the "
                          "fastest synchronous one that fits --memory, or the table T.csv (one window, one row per "
                          "worker), ranked beside them")
     ap.add_argument("--microbatches", type=_MICROBATCHES, default=None,
-                    help="minibatches per optimizer step for --schedule (flush_every; default 2 x stages)")
+                    help="minibatches per step (one optimizer update) for --schedule (flush_every; default 2 x "
+                         "stages)")
     ap.add_argument("--weight-fraction", type=_FRACTION, default=None,
                     help="share of every backward taken as the weight gradient, for the split schedules (default: "
                          "as the profiler measured it, 0.5 for layers it did not)")

@@ -52,9 +52,8 @@ def placement_of(plan: Plan) -> dict[int, int] | None:
     from pipedream_ft.schedules.placement import loop_placement, v_placement
 
     workers, v = int(record["workers"]), int(record["stages_per_worker"])
-    if record["name"] in ("zbv", "dualpipev"):
-        return v_placement(workers)
-    return loop_placement(workers, v)
+    where = v_placement(workers) if record["name"] in ("zbv", "dualpipev") else loop_placement(workers, v)
+    return where if len(where) == plan.num_stages else None  # a record that is not this plan's: its own ranks
 
 
 def processes(plan: Plan) -> int:

@@ -77,8 +77,9 @@ def test_a_schedule_on_one_stage_per_process_is_the_plans_figure_and_the_slowest
     plan = load_plan(out)
     row = _ranking_rows(text)["1f1b"]
     assert row[-1] == "chosen"
-    assert f"predicted time per minibatch: {row[1]} ms with 1f1b (simulated, see the schedules below), {row[2]} ms per " \
-           "step of 8 minibatches (flush_every=8); the slowest stage alone: 6.000 ms, the pace with no flush" in text
+    assert (f"predicted time per minibatch: {row[1]} ms with 1f1b (simulated, see the schedules below), {row[2]} ms "
+            "per step of 8 minibatches (flush_every=8); the slowest stage alone: 6.000 ms, the pace with no "
+            "flush") in text
     assert float(row[1]) == pytest.approx(plan.time_per_minibatch_s * 1e3, abs=1e-3)
     assert "4 stages on 4 processes, one stage each" in text
     # the asynchronous schedule steps every minibatch: no figure per step
@@ -104,9 +105,9 @@ def test_a_data_parallel_plan_says_so_in_one_line_and_how_to_get_a_pipeline(tmp_
     assert "pure data parallelism" not in text
     line = next(line for line in text.splitlines() if line.startswith("speedup over data parallelism"))
     assert re.fullmatch(r"speedup over data parallelism: 0\.\d{3}x \(data parallelism's time per minibatch over this "
-                        r"plan's\): under 1, this plan is predicted [\d.]+x slower than data parallelism on 4 processes "
-                        r"at 1e\+12 bytes/s; --straight forced a pipeline \(without it the planner picks the fastest "
-                        r"plan, data parallelism included\)", line), line
+                        r"plan's\): under 1, this plan is predicted [\d.]+x slower than data parallelism on 4 "
+                        r"processes at 1e\+12 bytes/s; --straight forced a pipeline \(without it the planner picks "
+                        r"the fastest plan, data parallelism included\)", line), line
 
 
 def test_a_pipeline_faster_than_data_parallelism_says_its_speedup_means_that(tmp_path, capsys):
@@ -115,9 +116,10 @@ def test_a_pipeline_faster_than_data_parallelism_says_its_speedup_means_that(tmp
     plan = load_plan(out)
     assert plan.num_stages > 1 and plan.speedup_over_data_parallel > 1
     assert "pure data parallelism" not in text
-    assert (f"speedup over data parallelism: {plan.speedup_over_data_parallel:.3f}x (data parallelism's time per "
-            f"minibatch over this plan's): at or above 1, this plan is predicted "
-            f"{plan.speedup_over_data_parallel:.2f}x as fast as data parallelism on 4 processes at 1e+08 bytes/s") in text
+    speedup = plan.speedup_over_data_parallel
+    assert (f"speedup over data parallelism: {speedup:.3f}x (data parallelism's time per minibatch over this plan's): "
+            f"at or above 1, this plan is predicted {speedup:.2f}x as fast as data parallelism on 4 processes at 1e+08 "
+            "bytes/s") in text
     assert "predicted time per minibatch" in text and "the slowest stage's: the pipeline's pace once full" in text
 
 
