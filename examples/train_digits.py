@@ -164,8 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     rank = trainer.env.rank
     if rank == 0:
-        replicas = [s.replicas for s in plan.stages]
-        print(f"plan {args.plan}: {plan.num_stages} stages, replicas {replicas}, world {plan.world_size}; "
+        stages, processes = trainer.plan.num_stages, trainer.env.world_size
+        replicas = [s.replicas for s in trainer.plan.stages]
+        each = f" ({stages // processes} stages each)" if stages > processes else ""
+        print(f"plan {args.plan}: {stages} stages, replicas {replicas}, on {processes} processes{each}; "
               f"mode {args.mode}; {steps} minibatches of {args.batch_size}"
               + (f" (rounded down from {args.steps})" if steps != args.steps else ""), flush=True)
     result = trainer.fit(data, steps)  # continues from the newest committed checkpoint, if any

@@ -336,8 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         checkpoint=CheckpointConfig(url=args.ckpt, policy=EveryNSteps(args.ckpt_every)) if args.ckpt else None,
     )
     if trainer.env.rank == 0:
-        replicas = [s.replicas for s in plan.stages]
-        print(f"plan {args.plan}: {plan.num_stages} stages, replicas {replicas}, world {plan.world_size}; "
+        stages, processes = trainer.plan.num_stages, trainer.env.world_size
+        replicas = [s.replicas for s in trainer.plan.stages]
+        each = f" ({stages // processes} stages each)" if stages > processes else ""
+        print(f"plan {args.plan}: {stages} stages, replicas {replicas}, on {processes} processes{each}; "
               f"mode {args.mode}; {steps} minibatches of {args.batch_size} x {args.block_size} bytes"
               + (f" (rounded down from {args.steps})" if steps != args.steps else "")
               + f"; {args.optimizer} lr {args.lr:g}, warm-up {args.warmup}; weight delay {delay}", flush=True)

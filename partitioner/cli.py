@@ -20,7 +20,9 @@ schedules of ``V`` stages per worker (interleaved 1F1B, interleaved zero-bubble,
 for ``V = 2``) to the ranking, planned on ``workers x V`` straight stages at the slowest ``--bandwidth`` (or the
 machine's); ``--schedule NAME`` of one of them implies them (``V = 2`` unless given). When one of them is chosen,
 the plan written is that one, of ``workers x V`` stages, to train on ``workers`` processes (see
-:mod:`pipedream_ft.virtual`). Errors print one line
+:mod:`pipedream_ft.virtual`). With a schedule chosen, the plan's predicted time per minibatch is that schedule's
+(its row of the ranking), and its time per step is that times the minibatches per step. What each printed figure
+means, and the line that says a plan is pure data parallelism, are :mod:`partitioner.report`'s. Errors print one line
 ``pipedream-partition: error: ...`` and exit with status 2; the output
 file is then left untouched.
 """
@@ -38,6 +40,7 @@ from profiler.profile import ProfileError, load_profile
 from .optimizer import partition
 from .machine import MachineProfile, load_machine
 from .plan import Plan, PlanError
+from .report import data_parallel_note, format_plan, is_data_parallel, layer_ranges
 from .schedule_choice import (DEFAULT_WEIGHT_FRACTION, RUNNABLE, VIRTUAL, choose, format_ranking, rank_schedules,
                               rank_virtual, virtual_plan)
 
@@ -63,18 +66,20 @@ def _parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog=PROG, description="Split a profiled model into PipeDream pipeline stages.")
     ap.add_argument("profile", help="profile: pipedream-ft JSON or PipeDream graph.txt")
     ap.add_argument("--workers", "-n", action="append", type=_WORKERS,
-                    help="workers at one level (repeat for levels, innermost first)")
+                    help="workers (training processes) at one level (repeat for levels, innermost first)")
     ap.add_argument("--bandwidth", "-b", action="append", type=_BANDWIDTH,
                     help="bandwidth of one level in bytes/s, e.g. 1e9 (repeat like --workers)")
     ap.add_argument("--machine", metavar="PROBE_JSON", help="machine profile written by pipedream-probe")
-    ap.add_argument("--straight", action="store_true", help="no replication: one worker per stage")
+    ap.add_argument("--straight", action="store_true",
+                    help="a pipeline without replication: one stage per worker, never pure data parallelism")
     ap.add_argument("--memory", type=_MEMORY, default=None, help="memory per worker in bytes")
     ap.add_argument("--schedule", metavar="NAME|auto|T.csv", default=None,
                     help=f"rank the schedules for the plan and pick NAME ({', '.join(RUNNABLE)}), with auto the "
                          "fastest synchronous one that fits --memory, or the table T.csv (one window, one row per "
                          "worker), ranked beside them")
     ap.add_argument("--microbatches", type=_MICROBATCHES, default=None,
-                    help="minibatches per optimizer step for --schedule (flush_every; default 2 x stages)")
+                    help="minibatches per step (one optimizer update) for --schedule (flush_every; default 2 x "
+                         "stages)")
     ap.add_argument("--weight-fraction", type=_FRACTION, default=None,
                     help="share of every backward taken as the weight gradient, for the split schedules (default: "
                          "as the profiler measured it, 0.5 for layers it did not)")
@@ -83,37 +88,6 @@ def _parser() -> argparse.ArgumentParser:
                          "stages, trained on the workers' processes)")
     ap.add_argument("-o", "--output", required=True, help="where to write the plan JSON")
     return ap
-
-
-def layer_ranges(layers: tuple[int, ...] | list[int]) -> str:
-    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"``."""
-    out = []
-    items = sorted(layers)
-    i = 0
-    while i < len(items):
-        j = i
-        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
-            j += 1
-        out.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
-def format_plan(plan: Plan) -> str:
-    """A readable table of the plan's stages and its predicted times."""
-    rows = [("stage", "layers", "replicas", "ranks", "time ms")]
-    for s in plan.stages:
-        rows.append((str(s.index), layer_ranges(s.layers), str(s.replicas), layer_ranges(s.ranks),
-                     f"{s.time_s * 1e3:.3f}"))
-    widths = [max(len(r[c]) for r in rows) for c in range(5)]
-    lines = ["  ".join(v.rjust(w) if c != 1 else v.ljust(w) for c, (v, w) in enumerate(zip(r, widths)))
-             for r in rows]
-    lines.append(f"predicted time per minibatch: {plan.time_per_minibatch_s * 1e3:.3f} ms")
-    lines.append(f"data parallel time per minibatch: {plan.data_parallel_time_s * 1e3:.3f} ms")
-    lines.append(f"speedup over data parallelism: {plan.speedup_over_data_parallel:.3f}x")
-    if plan.recompute:
-        lines.append(f"value layers recomputed where needed (never sent): {len(plan.recompute)}")
-    return "\n".join(lines)
 
 
 def _run(argv: list[str] | None) -> int:
@@ -147,10 +121,22 @@ def _run(argv: list[str] | None) -> int:
         print(machine.describe())
         print(FORMULAS)
     print(format_plan(plan))
+    note = data_parallel_note(plan, _straight_time(profile, args, machine) if is_data_parallel(plan) else None)
+    if note is not None:
+        print(note)
     if ranking is not None:
         print(ranking)
     print(f"plan written to {out}")
     return 0
+
+
+def _straight_time(profile: object, args: argparse.Namespace, machine: MachineProfile | None) -> float | None:
+    """The best straight pipeline's predicted time per minibatch, for comparison; None where none exists."""
+    try:
+        return partition(profile, args.workers, None if machine else args.bandwidth,  # type: ignore[arg-type]
+                         straight=True, memory_bytes=args.memory, machine=machine).time_per_minibatch_s
+    except PlanError:
+        return None
 
 
 def _with_schedule(plan: Plan, profile: object, args: argparse.Namespace, machine: MachineProfile | None = None
@@ -178,6 +164,7 @@ def _with_schedule(plan: Plan, profile: object, args: argparse.Namespace, machin
         raise PlanError(f"--schedule must be auto, one of {', '.join(RUNNABLE + VIRTUAL)} or a table's path (.csv), "
                         f"got {args.schedule!r}")
     m = args.microbatches or 2 * plan.num_stages
+    data_parallel_s = plan.data_parallel_time_s  # on the workers' processes, which virtual stages keep too
     ranking = rank_schedules(plan, profile, m, weight_fraction=args.weight_fraction,  # type: ignore[arg-type]
                              memory_bytes=args.memory, tables=tables, machine=machine)
     workers = plan.world_size
@@ -222,8 +209,11 @@ def _with_schedule(plan: Plan, profile: object, args: argparse.Namespace, machin
         costs += (f", and the machine's: {machine.overhead_s * 1e3:.3f} ms fixed cost per minibatch per stage, "
                   "the links' latency and bandwidth")
     table = (f"schedules for {m} minibatches per step (simulated with {costs}):\n"
-             f"{format_ranking(ranking, chosen.name)}\ntrain with {how}")
-    return dataclasses.replace(plan, settings={**plan.settings, "schedule": record}), table
+             f"{format_ranking(ranking, chosen.name, microbatches=m)}\ntrain with {how}")
+    # the plan's figures are the chosen schedule's, on the processes that train it: one set of numbers
+    return dataclasses.replace(plan, time_per_minibatch_s=chosen.time_per_minibatch_s,
+                               data_parallel_time_s=data_parallel_s,
+                               settings={**plan.settings, "schedule": record}), table
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,10 @@ JSON format (``"format": "pipedream-ft-plan"``, ``"version": 1``)::
     }
 
 ``time_s`` of a stage is its predicted time per minibatch (compute divided among its replicas, plus their
-weight all-reduce); ``time_per_minibatch_s`` is the pipeline's, i.e. that of its slowest stage or link.
+weight all-reduce); ``time_per_minibatch_s`` is the pipeline's, i.e. that of its slowest stage or link, or, for a
+plan whose schedule ``pipedream-partition --schedule`` chose (``settings["schedule"]``), that schedule's simulated
+time per minibatch on the processes that train it. ``data_parallel_time_s`` is plain data parallelism's on the same
+processes (for a plan of several stages per process, on those processes, not one per stage).
 Ranks of a flat plan are given to stages in order, each stage a contiguous block. Ranks of a hierarchical plan
 follow the machine hierarchy (see :func:`aligned_ranks`): rank ``g`` sits on the level-1 machine
 ``g // n_1``, the level-2 machine ``g // (n_1 n_2)``, and so on, and every machine runs the part of the plan

@@ -293,15 +293,20 @@ def choose(ranking: Sequence[Ranked], *, synchronous: bool = True) -> Ranked:
     return min(fitting, key=lambda r: r.time_per_minibatch_s)
 
 
-def format_ranking(ranking: Sequence[Ranked], chosen: str | None = None) -> str:
-    """A table of the ranking, the chosen schedule marked."""
-    rows = [("schedule", "ms/minibatch", "bubble", "peak memory", "")]
+def format_ranking(ranking: Sequence[Ranked], chosen: str | None = None, *, microbatches: int | None = None) -> str:
+    """A table of the ranking, the chosen schedule marked; with ``microbatches`` (per step) also each one's time
+    per step (none for the asynchronous schedule, which steps every minibatch)."""
+    rows = [("schedule", "ms/minibatch") + (("ms/step",) if microbatches else ()) +
+            ("bubble", "peak memory/process", "")]
     for r in ranking:
         mark = "chosen" if r.name == chosen else ("" if r.fits else "does not fit")
         name = r.name + (" (async)" if r.name == "pipedream" else "") + \
-            (f" ({r.stages_per_worker} stages/worker)" if r.stages_per_worker > 1 else "")
-        rows.append((name, f"{r.time_per_minibatch_s * 1e3:.3f}", f"{r.bubble:.1%}",
-                     f"{r.peak_memory_bytes:.4g}", mark))
-    widths = [max(len(row[c]) for row in rows) for c in range(5)]
-    return "\n".join("  ".join(v.ljust(w) if c in (0, 4) else v.rjust(w) for c, (v, w) in enumerate(zip(row, widths)))
-                     .rstrip() for row in rows)
+            (f" ({r.stages_per_worker} stages/process)" if r.stages_per_worker > 1 else "")
+        step = (("-" if r.name == "pipedream" else f"{r.time_per_minibatch_s * microbatches * 1e3:.3f}",)
+                if microbatches else ())
+        rows.append((name, f"{r.time_per_minibatch_s * 1e3:.3f}") + step +
+                    (f"{r.bubble:.1%}", f"{r.peak_memory_bytes:.4g}", mark))
+    last = len(rows[0]) - 1
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    return "\n".join("  ".join(v.ljust(w) if c in (0, last) else v.rjust(w)
+                               for c, (v, w) in enumerate(zip(row, widths))).rstrip() for row in rows)

@@ -270,7 +270,7 @@ def test_the_command_line_ranks_virtual_stages_beside_the_others(tmp_path: Path,
     assert main([str(prof), "--workers", "4", "--bandwidth", "1e12", "--straight", "--schedule", "auto",
                  "--virtual-stages", "2", "--microbatches", "8", "-o", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "interleaved_1f1b (2 stages/worker)" in text and "paper only" not in text
+    assert "interleaved_1f1b (2 stages/process)" in text and "paper only" not in text
     record = json.loads(out.read_text())["settings"]["schedule"]
     virtual = [r for r in record["ranking"] if r["stages_per_worker"] > 1]
     fastest = min((r for r in record["ranking"] if r["name"] != "pipedream"), key=lambda r: r["time_per_minibatch_s"])
