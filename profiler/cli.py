@@ -14,6 +14,12 @@ Hugging Face model wrapped by :func:`profiler.hf.for_pipeline` with its attentio
     pipedream-profile mymodels.py:llama --input input_ids:128:int:32000 --input attention_mask:128:ones \
         --batch-size 8 -o llama.json
 
+A factory may build its model under ``torch.device("meta")`` (a model too large for the machine): it is then
+profiled one layer at a time, each layer materialised alone (:func:`profiler.measure.profile_model`). A raw
+Hugging Face ``*ForCausalLM`` is refused with the advice to return ``profiler.hf.for_pipeline(model)``. When the
+timings' repeats disagree too much to trust (a busy machine), one warning line on stderr names the worst layers
+(:mod:`profiler.noise`).
+
 ``OUT`` ending in ``.json`` gets the JSON format, anything else PipeDream's ``graph.txt``. Errors are one line
 on stderr starting with ``pipedream-profile: error:`` and exit status 2; the output is then left untouched.
 """
@@ -49,7 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--int-input", type=int, metavar="VOCAB", help="feed integer token ids in [0, VOCAB) instead")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per layer (default 2)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per layer; the median is kept (default 5)")
-    p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building the model (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="torch.manual_seed before building the model; a model built on meta has each layer "
+                        "initialised from (seed, layer name) (default 0)")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="output file (.json, else graph.txt)")
     return p
 
@@ -206,6 +214,9 @@ def _run(argv: list[str] | None) -> int:
         raise CliError(f"{name}() raised {type(exc).__name__}: {exc}") from None
     if not isinstance(model, nn.Module):
         raise CliError(f"{name}() returned {type(model).__name__}, not a torch.nn.Module")
+    raw = _raw_hf(model, name)
+    if raw:
+        raise CliError(raw)
     model = model.to(dtype=dtype)
     example = tuple(_example(torch, args, shape, kind, dtype, n) for n, shape, kind in specs)
     if args.input:
@@ -227,6 +238,8 @@ def _run(argv: list[str] | None) -> int:
             repeats=args.repeats,
             progress=True,
             meta={"model": name},
+            seed=args.seed,
+            warn=False,
         )
         if not profile.keep_together:  # the model's pipeline_keep_together groups
             from .together import with_keep_together
@@ -235,11 +248,26 @@ def _run(argv: list[str] | None) -> int:
     except Exception as exc:
         raise CliError(f"profiling {name} failed: {type(exc).__name__}: {exc}") from None
     _write(profile, output)
+    from .noise import noise_warning
+
+    noisy = noise_warning(profile)
+    if noisy:
+        print(f"{PROG}: {noisy}", file=sys.stderr)
     print(_table(profile))
     for line in _notes(profile, output):
         print(line)
     print(f"wrote {output} ({len(profile)} layers, structure hash {profile.structure_hash()[:12]})")
     return 0
+
+
+def _raw_hf(model: Any, name: str) -> str | None:
+    """The one-line advice for a transformers model not wrapped by :func:`profiler.hf.for_pipeline`, else None."""
+    if not any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+               for c in type(model).__mro__):
+        return None
+    return (f"{name}() returned a raw Hugging Face {type(model).__name__}, which torch.fx cannot split into "
+            "layers: return profiler.hf.for_pipeline(model) from the factory instead (from profiler.hf import "
+            "for_pipeline)")
 
 
 def _example(torch: Any, args: argparse.Namespace, shape: tuple[int, ...], kind: str | None, dtype: Any,
