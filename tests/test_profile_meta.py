@@ -345,3 +345,30 @@ def test_the_cli_profiles_a_model_built_on_meta(factories: Path, tmp_path: Path)
     assert p.meta["materialized"] == "per layer" and p.meta["seed"] == 3
     assert [l.activation_bytes for l in p.layers] == [256, 256, 64]
     assert [l.parameter_bytes for l in p.layers] == [(8 * 16 + 16) * 4, 0, (16 * 4 + 4) * 4]
+
+
+class _Watcher:
+    """A timer that, each time it starts, notes which of the model's parameters are real (not meta)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.seen: set[tuple[str, ...]] = set()
+
+    def start(self) -> None:
+        self.seen.add(tuple(n for n, p in self.model.named_parameters() if not p.is_meta))
+
+    def stop(self) -> float:
+        return 1.0
+
+
+def test_only_the_layer_being_timed_is_materialised() -> None:
+    with torch.device("meta"):
+        model = _llama()
+    watcher = _Watcher(model)
+    profile_model(model, torch.randint(0, hf_models.VOCAB, (2, 4)), clock=watcher, reuse=False, **FAST)
+    prefixes = {tuple(sorted({n.rsplit(".", 1)[0].split(".self_attn")[0].split(".mlp")[0]
+                              .split(".input_layernorm")[0].split(".post_attention_layernorm")[0] for n in names}))
+                for names in watcher.seen}
+    assert prefixes == {("model.embed_tokens",), ("model.layers.0",), ("model.layers.1",), ("model.layers.2",),
+                        ("model.layers.3",), ("model.norm",), ("lm_head",)}
+    assert all(p.is_meta for p in model.parameters())
