@@ -153,23 +153,37 @@ def _size(n: float) -> str:
     return f"{n:.1f} GiB"  # pragma: no cover
 
 
+def _spread(layer: Any) -> str:
+    """The layer's spread over its repeats (the larger of forward and backward), or where its times came from."""
+    if layer.reused_from is not None:
+        return "= " + (layer.reused_from if len(layer.reused_from) <= 16 else layer.reused_from[:13] + "...")
+    if layer.forward_spread is None:
+        return "-"
+    return f"{max(layer.forward_spread, layer.backward_spread or 0.0):.2f}"
+
+
 def _table(profile: Any) -> str:
-    rows = [("layer", "fwd ms", "bwd ms", "activation", "params")]
+    rows = [("layer", "fwd ms", "bwd ms", "spread", "activation", "params")]
     for l in profile.layers:
         name = l.name if len(l.name) <= 24 else l.name[:21] + "..."
-        rows.append((name, f"{l.forward_ms:.3f}", f"{l.backward_ms:.3f}", _size(l.activation_bytes), _size(l.parameter_bytes)))
+        rows.append((name, f"{l.forward_ms:.3f}", f"{l.backward_ms:.3f}", _spread(l), _size(l.activation_bytes),
+                     _size(l.parameter_bytes)))
     fwd = sum(l.forward_ms for l in profile.layers)
     bwd = sum(l.backward_ms for l in profile.layers)
     act = sum(l.activation_bytes for l in profile.layers)
     par = sum(l.parameter_bytes for l in profile.layers)
-    rows.append((f"total ({len(profile.layers)} layers)", f"{fwd:.3f}", f"{bwd:.3f}", _size(act), _size(par)))
-    widths = [max(len(r[c]) for r in rows) for c in range(5)]
+    median = profile.meta.get("timing_spread", {}).get("median_spread")
+    rows.append((f"total ({len(profile.layers)} layers)", f"{fwd:.3f}", f"{bwd:.3f}",
+                 "-" if median is None else f"{median:.2f}", _size(act), _size(par)))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
 
     def fmt(r: tuple[str, ...]) -> str:
-        return "  ".join([r[0].ljust(widths[0])] + [r[c].rjust(widths[c]) for c in range(1, 5)])
+        return "  ".join([r[0].ljust(widths[0])] + [r[c].rjust(widths[c]) for c in range(1, len(r))])
 
     lines = [fmt(rows[0]), "-" * len(fmt(rows[0]))] + [fmt(r) for r in rows[1:-1]]
     lines += ["-" * len(fmt(rows[0])), fmt(rows[-1])]
+    lines.append("spread: (p90-p10)/median of a layer's timed repeats (total: the median over the layers that "
+                 "matter); '= L': times reused from the identical layer L")
     return "\n".join(lines)
 
 
