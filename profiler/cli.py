@@ -182,7 +182,7 @@ def _table(profile: Any) -> str:
 
     lines = [fmt(rows[0]), "-" * len(fmt(rows[0]))] + [fmt(r) for r in rows[1:-1]]
     lines += ["-" * len(fmt(rows[0])), fmt(rows[-1])]
-    lines.append("spread: (p90-p10)/median of a layer's timed repeats (total: the median over the layers that "
+    lines.append("spread: (p75-p25)/median of a layer's timed repeats (total: the median over the layers that "
                  "matter); '= L': times reused from the identical layer L")
     return "\n".join(lines)
 

@@ -1,7 +1,9 @@
 """How far to trust a profile's times: each layer's spread over its repeats, and a warning when it is too noisy.
 
-A layer's *spread* is ``(p90 - p10) / median`` of its timed repeats (forward and backward apart; the profile
-keeps both). A busy machine shows in it: on a quiet one the repeats of a layer agree to a few percent. The
+A layer's *spread* is its relative interquartile range, ``(p75 - p25) / median`` of its timed repeats (forward
+and backward apart; the profile keeps both). A busy machine shows in it: on a quiet one the repeats of a layer
+agree to a few percent. The interquartile range is the median's own margin: one stray repeat in five moves
+neither, while a layer whose middle repeats disagree has a median that could have been any of them. The
 profile is *too noisy to trust* when, over the layers that matter (at least :data:`SHARE` of the total time;
 layers whose time was reused are not counted twice), the median spread exceeds :data:`MEDIAN_LIMIT`, or one
 layer's spread exceeds :data:`LAYER_LIMIT`. :func:`noise_warning` then says so in one line naming the worst
@@ -17,7 +19,7 @@ from .profile import Layer, Profile
 
 __all__ = ["LAYER_LIMIT", "MEDIAN_LIMIT", "SHARE", "noise_summary", "noise_warning", "spread"]
 
-MEDIAN_LIMIT = 0.25
+MEDIAN_LIMIT = 0.2
 """Largest median spread (over the layers that matter) of a profile worth trusting."""
 LAYER_LIMIT = 1.0
 """Largest spread of any one layer that matters: beyond it, its median may be off by as much as itself."""
@@ -26,7 +28,8 @@ SHARE = 0.01
 
 
 def spread(samples: Sequence[float]) -> float:
-    """``(p90 - p10) / median`` of ``samples`` (0 for fewer than two, or a median of 0)."""
+    """``(p75 - p25) / median`` of ``samples``, quantiles interpolated linearly (0 for fewer than two
+    samples, or a median of 0)."""
     if len(samples) < 2:
         return 0.0
     median = statistics.median(samples)
@@ -40,7 +43,7 @@ def spread(samples: Sequence[float]) -> float:
         hi = min(lo + 1, len(ordered) - 1)
         return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
-    return (quantile(0.9) - quantile(0.1)) / median
+    return (quantile(0.75) - quantile(0.25)) / median
 
 
 def _layer_spread(layer: Layer) -> float:
@@ -70,6 +73,6 @@ def noise_warning(profile: Profile) -> str | None:
     if median <= MEDIAN_LIMIT and top <= LAYER_LIMIT:
         return None
     worst = ", ".join(f"{name} {s:.2f}" for name, s in summary["worst"])
-    return (f"warning: the machine was too noisy to trust these times: median spread (p90-p10)/median "
+    return (f"warning: the machine was too noisy to trust these times: median spread (p75-p25)/median "
             f"{median:.2f} over {summary['layers']} layers (limit {MEDIAN_LIMIT}, one layer {LAYER_LIMIT}); "
             f"worst: {worst}; profile again on a quiet machine or with more repeats")

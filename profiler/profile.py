@@ -25,7 +25,7 @@ computes the weight gradients, for split-backward schedules); sizes are bytes (`
 minibatch: the bytes of the tensors in it). Edges index into ``layers``.
 
 Optional per layer, written only when known (older profiles load without them): ``forward_spread`` and
-``backward_spread``, ``(p90 - p10) / median`` of the timed repeats (:mod:`profiler.noise`), and ``reused_from``,
+``backward_spread``, ``(p75 - p25) / median`` of the timed repeats (:mod:`profiler.noise`), and ``reused_from``,
 the name of an identical earlier layer whose times were reused rather than measured again
 (:mod:`profiler.reuse`; e.g. ``"model_layers_0"`` on ``model_layers_1`` of a decoder profiled on ``meta``).
 
@@ -106,7 +106,7 @@ class Layer:
     """The part of ``backward_ms`` that computes the weight gradients (``W`` of a split backward; the rest,
     ``backward_ms - weight_backward_ms``, is the input gradient ``I``). ``None``: not measured."""
     forward_spread: float | None = None
-    """``(p90 - p10) / median`` of the forward's timed repeats (:mod:`profiler.noise`). ``None``: not recorded."""
+    """``(p75 - p25) / median`` of the forward's timed repeats (:mod:`profiler.noise`). ``None``: not recorded."""
     backward_spread: float | None = None
     """The same for the backward."""
     reused_from: str | None = None

@@ -15,6 +15,7 @@ from profiler.cli import main
 from profiler.hf import for_pipeline
 from profiler.materialize import has_meta, init_function, layer_seed, materialized, materialized_buffers
 from profiler.measure import profile_model
+from profiler.noise import MEDIAN_LIMIT, spread
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_models  # noqa: E402
@@ -241,7 +242,7 @@ def test_a_noisy_timer_gives_one_warning_line(capsys: pytest.CaptureFixture[str]
     assert len(err) == 1, err
     assert err[0].startswith("warning: the machine was too noisy to trust these times: median spread")
     assert "worst: " in err[0]
-    assert profile.meta["timing_spread"]["median_spread"] > 0.25
+    assert profile.meta["timing_spread"]["median_spread"] > MEDIAN_LIMIT
     assert all(l.forward_spread is not None and l.forward_spread > 0 for l in profile.layers)
 
 
@@ -264,7 +265,7 @@ def test_one_wild_layer_is_enough_to_warn(capsys: pytest.CaptureFixture[str]) ->
     assert noise_warning(quiet) is None
     wild = Profile((*layers, Layer("conv", "", 1.0, 2.0, 0.0, 0.0, forward_spread=40.0, backward_spread=0.1)), ())
     line = noise_warning(wild)
-    assert line is not None and "worst: conv 40.00" in line and "median spread (p90-p10)/median 0.05" in line
+    assert line is not None and "worst: conv 40.00" in line and "median spread (p75-p25)/median 0.05" in line
 
 
 OLD = """{"format": "pipedream-ft-profile", "version": 1, "meta": {"model": "m"},
@@ -372,3 +373,9 @@ def test_only_the_layer_being_timed_is_materialised() -> None:
     assert prefixes == {("model.embed_tokens",), ("model.layers.0",), ("model.layers.1",), ("model.layers.2",),
                         ("model.layers.3",), ("model.norm",), ("lm_head",)}
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_the_spread_is_the_relative_interquartile_range() -> None:
+    assert spread([1.0, 1.0, 1.0, 1.0, 100.0]) == 0.0  # one stray repeat in five moves neither median nor spread
+    assert spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx((4 - 2) / 3)
+    assert spread([2.0]) == 0.0 and spread([0.0, 0.0, 0.0]) == 0.0
