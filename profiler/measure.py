@@ -1,13 +1,15 @@
 """Measure a model layer by layer: forward and backward time, output size and parameter size.
 
-Each layer is timed in isolation on its real inputs: the example input is first run through the whole model
-once to collect every layer's inputs, then each layer is run ``warmup + repeats`` times on fresh detached
-copies of them (floating tensors requiring grad), timing the forward pass and then
-``torch.autograd.backward`` from its outputs. Times are medians over the ``repeats`` runs. Each timed run is
-followed by one with the backward split as zero-bubble schedules split it (the input gradient ``I``, then the
-weight gradient ``W``): the share of ``W`` over those runs, times the whole backward's median, is the layer's
-``weight_backward_ms``. The model is run in
-training mode; its mode, gradients, buffers and device are restored afterwards.
+Each layer is timed in isolation on its real inputs: layer by layer, in order, the layer is first run once on
+the outputs of the layers before it (which gives its own output, kept until its last reader has run), then
+``warmup + repeats`` times on fresh detached copies of its inputs (floating tensors requiring grad), timing the
+forward pass and then ``torch.autograd.backward`` from its outputs. Times are medians over the ``repeats`` runs.
+Each timed run is followed by one with the backward split as zero-bubble schedules split it (the input gradient
+``I``, then the weight gradient ``W``): the share of ``W`` over those runs, times the whole backward's median,
+is the layer's ``weight_backward_ms``. The model is run in training mode; its mode, gradients, buffers and
+device are restored afterwards. Each layer also records the spread of its repeats (:mod:`profiler.noise`). A
+model on the ``meta`` device is profiled with one layer materialised at a time, and identical layers measured
+once (:func:`profile_model`).
 
 Each layer's kind comes from the output it really computes on the example input: ``"value"`` if it holds no
 tensor at all (``x.size()``, ``getitem`` of a size, ``floordiv`` of ints, ``x.device``, ...), else
@@ -252,8 +254,9 @@ def _measure(call: _Call, base: dict[Any, Any], clock: Clock, params: Sequence[n
              ) -> tuple[float, float, float, float, float]:
     """Median forward and backward times of one layer, less the timer's ``overhead`` (:func:`call_overhead_ms`),
     the share of the backward that computes the weight gradients (from a split run, see
-    :func:`_split_backward`), and the spreads of the forward and backward repeats (:func:`profiler.noise.spread`). ``data``: the keys of ``base`` that are the model's own inputs: as in training,
-    no gradient is computed for them (a first layer's backward has no input gradient)."""
+    :func:`_split_backward`), and the spreads of the forward and backward repeats (:func:`profiler.noise.spread`).
+    ``data``: the keys of ``base`` that are the model's own inputs: as in training, no gradient is computed for
+    them (a first layer's backward has no input gradient)."""
     forward: list[float] = []
     backward: list[float] = []
     split: list[tuple[float, float]] = []
