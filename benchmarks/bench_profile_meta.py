@@ -19,7 +19,7 @@ thread, which makes single layers tens of times slower at random.
 Measured (``--rounds 3``, 1 thread, a shared 2-core machine at load average 16-18, i.e. far from idle):
 GPT, meta/whole per layer median 0.955 (59 % of 17 layers within 10 %), overall 0.949; Llama, per layer median
 1.065 (all 5 layers within 10 %), overall 1.054. On that machine with 2 threads the same run gave ratios from
-0.1 to 14: the noise, not the method (the whole model against itself varies as much).
+0.1 to 14: the noise, not the method (a layer of the whole model against itself varied 5-fold between rounds).
 """
 
 from __future__ import annotations
