@@ -59,14 +59,29 @@ def init_function(model: nn.Module) -> InitFn | None:
 
     A model wrapped by :func:`profiler.hf.for_pipeline` names its ``transformers`` class
     (``pipeline_hf_class``): its ``_init_weights`` runs with the model's config. Any other model with a callable
-    ``_init_weights(module)`` (a ``transformers`` ``PreTrainedModel``, nanoGPT-style models) uses that."""
+    ``_init_weights(module)`` (a ``transformers`` ``PreTrainedModel``, nanoGPT-style models) uses that; an
+    ``_init_weights()`` that takes no module is not one (``None``: each module's ``reset_parameters()`` alone)."""
     cls = getattr(model, "pipeline_hf_class", None)
     if isinstance(cls, type) and hasattr(cls, "_init_weights"):
         shell = cls.__new__(cls)  # an instance for `self` (and `super()`) without building the model
         shell.__dict__["config"] = model.config
         return lambda module: cls._init_weights(shell, module)
     init = getattr(model, "_init_weights", None)
-    return init if callable(init) else None
+    return init if callable(init) and _takes_one_argument(init) else None
+
+
+def _takes_one_argument(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` can be called as ``fn(module)`` (a model's ``_init_weights(self)`` that walks the model
+    itself cannot)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    return len(required) <= 1 <= len(positional) or any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
 def _fill(t: torch.Tensor, value: float) -> None:

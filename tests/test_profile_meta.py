@@ -379,3 +379,26 @@ def test_the_spread_is_the_relative_interquartile_range() -> None:
     assert spread([1.0, 1.0, 1.0, 1.0, 100.0]) == 0.0  # one stray repeat in five moves neither median nor spread
     assert spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx((4 - 2) / 3)
     assert spread([2.0]) == 0.0 and spread([0.0, 0.0, 0.0]) == 0.0
+
+
+class _WalksItself(nn.Module):
+    """A model whose ``_init_weights()`` initialises the whole model: not a per-module initialiser."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def _init_weights(self) -> None:
+        nn.init.zeros_(self.fc.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_the_models_own_initialiser_is_used_only_when_it_takes_a_module() -> None:
+    assert init_function(_WalksItself()) is None
+    assert init_function(_gpt()) is not None and init_function(_seq()) is None
+    with torch.device("meta"):
+        model = _WalksItself()
+    profile = profile_model(model, torch.randn(2, 4), **FAST)
+    assert profile.layers[0].parameter_bytes == 80
