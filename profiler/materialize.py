@@ -102,11 +102,11 @@ def _initialise(module: nn.Module, init: InitFn | None) -> None:
     module.apply(one)
 
 
-def _swap(module: nn.Module, device: torch.device, fill: float, params: bool, buffers: bool
-          ) -> list[tuple[dict[str, Any], str, Any]]:
+def _swap(module: nn.Module, device: torch.device, fill: float, params: bool, buffers: bool,
+          saved: list[tuple[dict[str, Any], str, Any]]) -> None:
     """Replace ``module``'s meta tensors (and, on another device, its real ones, copied) by new tensors on
-    ``device``; the same tensor reached twice gets the same new tensor. Returns what to put back."""
-    saved: list[tuple[dict[str, Any], str, Any]] = []
+    ``device``; the same tensor reached twice gets the same new tensor. Appends to ``saved`` what to put back
+    (as it goes: after an error, what was swapped is still put back)."""
     memo: dict[int, torch.Tensor] = {}
     for sub in module.modules():
         tables = ([sub._parameters] if params else []) + ([sub._buffers] if buffers else [])
@@ -125,7 +125,6 @@ def _swap(module: nn.Module, device: torch.device, fill: float, params: bool, bu
                         else new
                 saved.append((table, key, t))
                 table[key] = memo[id(t)]
-    return saved
 
 
 def _restore(saved: list[tuple[dict[str, Any], str, Any]]) -> None:
@@ -162,13 +161,14 @@ def materialized(part: nn.Module | tuple[nn.Module, str], device: torch.device |
         return
     if not isinstance(part, nn.Module):
         raise TypeError(f"materialized takes a module or (module, attribute), got {type(part).__name__}")
-    with torch.random.fork_rng(devices=_rng_devices(device)):
-        torch.manual_seed(layer_seed(seed, name))
-        saved = _swap(part, device, 0.0, params=True, buffers=False)
-        if saved:
-            with torch.no_grad():
-                _initialise(part, init)
+    saved: list[tuple[dict[str, Any], str, Any]] = []
     try:
+        with torch.random.fork_rng(devices=_rng_devices(device)):
+            torch.manual_seed(layer_seed(seed, name))
+            _swap(part, device, 0.0, params=True, buffers=False, saved=saved)
+            if saved:
+                with torch.no_grad():
+                    _initialise(part, init)
         yield
     finally:
         _restore(saved)
@@ -186,7 +186,7 @@ def materialized_buffers(model: nn.Module, device: torch.device | str, *, init: 
             if not any(b is not None and b.is_meta for b in sub._buffers.values()):
                 continue
             mine = _swap_direct_buffers(sub, device)
-            saved += mine
+            saved += mine  # before anything that may fail: put back whatever happens
             with torch.no_grad(), torch.random.fork_rng(devices=_rng_devices(device)):
                 torch.manual_seed(layer_seed(0, qual))
                 reset = getattr(sub, "reset_parameters", None)

@@ -402,3 +402,20 @@ def test_the_models_own_initialiser_is_used_only_when_it_takes_a_module() -> Non
         model = _WalksItself()
     profile = profile_model(model, torch.randn(2, 4), **FAST)
     assert profile.layers[0].parameter_bytes == 80
+
+
+class _Fails(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+
+def test_a_failing_layer_leaves_the_meta_model_as_it_was() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), _Fails())
+    with pytest.raises(RuntimeError, match=r"layer 2 \(_Fails.*boom"):
+        profile_model(model, torch.randn(3, 4), **FAST)
+    assert all(t.is_meta for t in (*model.parameters(), *model.buffers()))
