@@ -14,6 +14,12 @@ Hugging Face model wrapped by :func:`profiler.hf.for_pipeline` with its attentio
     pipedream-profile mymodels.py:llama --input input_ids:128:int:32000 --input attention_mask:128:ones \
         --batch-size 8 -o llama.json
 
+A factory may build its model under ``torch.device("meta")`` (a model too large for the machine): it is then
+profiled one layer at a time, each layer materialised alone (:func:`profiler.measure.profile_model`). A raw
+Hugging Face ``*ForCausalLM`` is refused with the advice to return ``profiler.hf.for_pipeline(model)``. When the
+timings' repeats disagree too much to trust (a busy machine), one warning line on stderr names the worst layers
+(:mod:`profiler.noise`).
+
 ``OUT`` ending in ``.json`` gets the JSON format, anything else PipeDream's ``graph.txt``. Errors are one line
 on stderr starting with ``pipedream-profile: error:`` and exit status 2; the output is then left untouched.
 """
@@ -49,7 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--int-input", type=int, metavar="VOCAB", help="feed integer token ids in [0, VOCAB) instead")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per layer (default 2)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per layer; the median is kept (default 5)")
-    p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building the model (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="torch.manual_seed before building the model; a model built on meta has each layer "
+                        "initialised from (seed, layer name) (default 0)")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="output file (.json, else graph.txt)")
     return p
 
@@ -145,23 +153,37 @@ def _size(n: float) -> str:
     return f"{n:.1f} GiB"  # pragma: no cover
 
 
+def _spread(layer: Any) -> str:
+    """The layer's spread over its repeats (the larger of forward and backward), or where its times came from."""
+    if layer.reused_from is not None:
+        return "= " + (layer.reused_from if len(layer.reused_from) <= 16 else layer.reused_from[:13] + "...")
+    if layer.forward_spread is None:
+        return "-"
+    return f"{max(layer.forward_spread, layer.backward_spread or 0.0):.2f}"
+
+
 def _table(profile: Any) -> str:
-    rows = [("layer", "fwd ms", "bwd ms", "activation", "params")]
+    rows = [("layer", "fwd ms", "bwd ms", "spread", "activation", "params")]
     for l in profile.layers:
         name = l.name if len(l.name) <= 24 else l.name[:21] + "..."
-        rows.append((name, f"{l.forward_ms:.3f}", f"{l.backward_ms:.3f}", _size(l.activation_bytes), _size(l.parameter_bytes)))
+        rows.append((name, f"{l.forward_ms:.3f}", f"{l.backward_ms:.3f}", _spread(l), _size(l.activation_bytes),
+                     _size(l.parameter_bytes)))
     fwd = sum(l.forward_ms for l in profile.layers)
     bwd = sum(l.backward_ms for l in profile.layers)
     act = sum(l.activation_bytes for l in profile.layers)
     par = sum(l.parameter_bytes for l in profile.layers)
-    rows.append((f"total ({len(profile.layers)} layers)", f"{fwd:.3f}", f"{bwd:.3f}", _size(act), _size(par)))
-    widths = [max(len(r[c]) for r in rows) for c in range(5)]
+    median = profile.meta.get("timing_spread", {}).get("median_spread")
+    rows.append((f"total ({len(profile.layers)} layers)", f"{fwd:.3f}", f"{bwd:.3f}",
+                 "-" if median is None else f"{median:.2f}", _size(act), _size(par)))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
 
     def fmt(r: tuple[str, ...]) -> str:
-        return "  ".join([r[0].ljust(widths[0])] + [r[c].rjust(widths[c]) for c in range(1, 5)])
+        return "  ".join([r[0].ljust(widths[0])] + [r[c].rjust(widths[c]) for c in range(1, len(r))])
 
     lines = [fmt(rows[0]), "-" * len(fmt(rows[0]))] + [fmt(r) for r in rows[1:-1]]
     lines += ["-" * len(fmt(rows[0])), fmt(rows[-1])]
+    lines.append("spread: (p75-p25)/median of a layer's timed repeats (total: the median over the layers that "
+                 "matter); '= L': times reused from the identical layer L")
     return "\n".join(lines)
 
 
@@ -206,6 +228,9 @@ def _run(argv: list[str] | None) -> int:
         raise CliError(f"{name}() raised {type(exc).__name__}: {exc}") from None
     if not isinstance(model, nn.Module):
         raise CliError(f"{name}() returned {type(model).__name__}, not a torch.nn.Module")
+    raw = _raw_hf(model, name)
+    if raw:
+        raise CliError(raw)
     model = model.to(dtype=dtype)
     example = tuple(_example(torch, args, shape, kind, dtype, n) for n, shape, kind in specs)
     if args.input:
@@ -227,6 +252,8 @@ def _run(argv: list[str] | None) -> int:
             repeats=args.repeats,
             progress=True,
             meta={"model": name},
+            seed=args.seed,
+            warn=False,
         )
         if not profile.keep_together:  # the model's pipeline_keep_together groups
             from .together import with_keep_together
@@ -235,11 +262,26 @@ def _run(argv: list[str] | None) -> int:
     except Exception as exc:
         raise CliError(f"profiling {name} failed: {type(exc).__name__}: {exc}") from None
     _write(profile, output)
+    from .noise import noise_warning
+
+    noisy = noise_warning(profile)
+    if noisy:
+        print(f"{PROG}: {noisy}", file=sys.stderr)
     print(_table(profile))
     for line in _notes(profile, output):
         print(line)
     print(f"wrote {output} ({len(profile)} layers, structure hash {profile.structure_hash()[:12]})")
     return 0
+
+
+def _raw_hf(model: Any, name: str) -> str | None:
+    """The one-line advice for a transformers model not wrapped by :func:`profiler.hf.for_pipeline`, else None."""
+    if not any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+               for c in type(model).__mro__):
+        return None
+    return (f"{name}() returned a raw Hugging Face {type(model).__name__}, which torch.fx cannot split into "
+            "layers: return profiler.hf.for_pipeline(model) from the factory instead (from profiler.hf import "
+            "for_pipeline)")
 
 
 def _example(torch: Any, args: argparse.Namespace, shape: tuple[int, ...], kind: str | None, dtype: Any,

@@ -1,13 +1,15 @@
 """Measure a model layer by layer: forward and backward time, output size and parameter size.
 
-Each layer is timed in isolation on its real inputs: the example input is first run through the whole model
-once to collect every layer's inputs, then each layer is run ``warmup + repeats`` times on fresh detached
-copies of them (floating tensors requiring grad), timing the forward pass and then
-``torch.autograd.backward`` from its outputs. Times are medians over the ``repeats`` runs. Each timed run is
-followed by one with the backward split as zero-bubble schedules split it (the input gradient ``I``, then the
-weight gradient ``W``): the share of ``W`` over those runs, times the whole backward's median, is the layer's
-``weight_backward_ms``. The model is run in
-training mode; its mode, gradients, buffers and device are restored afterwards.
+Each layer is timed in isolation on its real inputs: layer by layer, in order, the layer is first run once on
+the outputs of the layers before it (which gives its own output, kept until its last reader has run), then
+``warmup + repeats`` times on fresh detached copies of its inputs (floating tensors requiring grad), timing the
+forward pass and then ``torch.autograd.backward`` from its outputs. Times are medians over the ``repeats`` runs.
+Each timed run is followed by one with the backward split as zero-bubble schedules split it (the input gradient
+``I``, then the weight gradient ``W``): the share of ``W`` over those runs, times the whole backward's median,
+is the layer's ``weight_backward_ms``. The model is run in training mode; its mode, gradients, buffers and
+device are restored afterwards. Each layer also records the spread of its repeats (:mod:`profiler.noise`). A
+model on the ``meta`` device is profiled with one layer materialised at a time, and identical layers measured
+once (:func:`profile_model`).
 
 Each layer's kind comes from the output it really computes on the example input: ``"value"`` if it holds no
 tensor at all (``x.size()``, ``getitem`` of a size, ``floordiv`` of ints, ``x.device``, ...), else
@@ -21,8 +23,8 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 import torch.fx
@@ -30,9 +32,12 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .layers import LayerGraph, fetch_attr, has_tensor, layer_graph, sequential_children, tensor_bytes
+from .materialize import has_meta, init_function, materialized, materialized_buffers
+from .noise import noise_summary, noise_warning, spread
 from .profile import Layer, ModelInput, Profile, ProfileError
+from .reuse import signature
 
-__all__ = ["call_overhead_ms", "profile_model", "resolve_device"]
+__all__ = ["Clock", "call_overhead_ms", "profile_model", "resolve_device"]
 
 _Call = Callable[[dict[Any, Any]], Any]
 
@@ -52,6 +57,14 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ValueError(f"device {str(device)!r} does not exist ({torch.cuda.device_count()} CUDA devices)")
     return dev
+
+
+class Clock(Protocol):
+    """A timer: ``start()``, then ``stop()`` returns the milliseconds since (a test may inject its own)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> float: ...
 
 
 class _Clock:
@@ -146,14 +159,15 @@ def _layer_calls(
 
 
 @contextmanager
-def _preserved(model: nn.Module, device: torch.device) -> Iterator[None]:
-    """Move ``model`` to ``device`` for the block; restore its device, modes, gradients and buffers after."""
+def _preserved(model: nn.Module, device: torch.device, move: bool = True) -> Iterator[None]:
+    """Move ``model`` to ``device`` for the block (unless not ``move``: a meta model stays where it is); restore
+    its device, modes, gradients and buffers after."""
     modes = [(m, m.training) for m in model.modules()]
     grads = {name: p.grad for name, p in model.named_parameters()}
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     tensors = [*model.parameters(), *model.buffers()]
     home = tensors[0].device if tensors else device
-    moved = any(t.device != device for t in tensors)
+    moved = move and any(t.device != device for t in tensors)
     if moved:
         model.to(device)
     try:
@@ -178,7 +192,7 @@ def _float_leaves(value: Any) -> list[torch.Tensor]:
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
 
 
-def _split_backward(call: _Call, base: dict[Any, Any], clock: _Clock, params: Sequence[nn.Parameter],
+def _split_backward(call: _Call, base: dict[Any, Any], clock: Clock, params: Sequence[nn.Parameter],
                     data: frozenset[Any] = frozenset()) -> tuple[float, float]:
     """One run of the backward split as zero-bubble schedules run it: the input gradient (``I``) first, keeping
     the graph, then the weight gradient (``W``). Their times, milliseconds. ``data``: the keys of ``base`` that
@@ -235,13 +249,14 @@ def call_overhead_ms(device: str | torch.device, warmup: int = 5, repeats: int =
     return statistics.median(forward), statistics.median(backward)
 
 
-def _measure(call: _Call, base: dict[Any, Any], clock: _Clock, params: Sequence[nn.Parameter], warmup: int,
+def _measure(call: _Call, base: dict[Any, Any], clock: Clock, params: Sequence[nn.Parameter], warmup: int,
              repeats: int, overhead: tuple[float, float] = (0.0, 0.0), data: frozenset[Any] = frozenset()
-             ) -> tuple[float, float, float]:
+             ) -> tuple[float, float, float, float, float]:
     """Median forward and backward times of one layer, less the timer's ``overhead`` (:func:`call_overhead_ms`),
-    and the share of the backward that computes the weight gradients (from a split run, see
-    :func:`_split_backward`). ``data``: the keys of ``base`` that are the model's own inputs: as in training,
-    no gradient is computed for them (a first layer's backward has no input gradient)."""
+    the share of the backward that computes the weight gradients (from a split run, see
+    :func:`_split_backward`), and the spreads of the forward and backward repeats (:func:`profiler.noise.spread`).
+    ``data``: the keys of ``base`` that are the model's own inputs: as in training, no gradient is computed for
+    them (a first layer's backward has no input gradient)."""
     forward: list[float] = []
     backward: list[float] = []
     split: list[tuple[float, float]] = []
@@ -272,7 +287,7 @@ def _measure(call: _Call, base: dict[Any, Any], clock: _Clock, params: Sequence[
     inputs, weights = sum(i for i, _ in split), sum(w for _, w in split)
     share = weights / (inputs + weights) if inputs + weights > 0 else 0.0
     return (max(statistics.median(forward) - overhead[0], 0.0), max(statistics.median(backward) - overhead[1], 0.0),
-            share)
+            share, spread(forward), spread(backward))
 
 
 def _dtype_name(inputs: Sequence[torch.Tensor], model: nn.Module) -> str:
@@ -291,63 +306,97 @@ def profile_model(
     repeats: int = 5,
     progress: bool = False,
     meta: dict[str, Any] | None = None,
+    seed: int = 0,
+    reuse: bool | None = None,
+    clock: Clock | None = None,
+    warn: bool = True,
 ) -> Profile:
-    """Profile ``model`` on one minibatch ``example_input``; layers as :func:`profiler.layers.layer_graph` splits it."""
+    """Profile ``model`` on one minibatch ``example_input``; layers as :func:`profiler.layers.layer_graph` splits it.
+
+    **A model on meta** (parameters or buffers on the ``meta`` device, e.g. built under ``torch.device("meta")``)
+    is never materialised whole: its buffers are given real values once (:func:`profiler.materialize.
+    materialized_buffers`), then layer by layer, each layer's parameters are materialised on ``device`` alone,
+    initialised from ``(seed, layer's qualified name)`` (:func:`profiler.materialize.materialized`), run once on
+    its real inputs (its output is the next layers' input, and its sizes the profile's), timed, and freed; an
+    activation is dropped once its last reader has run. Shapes are propagated with real activations of the one
+    minibatch rather than on meta: models such as transformers' compute masks from data (``.all()`` on a
+    tensor), which a meta tensor cannot answer. Activation and parameter sizes are exact.
+
+    ``reuse`` (default: on for a meta model, off otherwise): a module layer identical to an earlier one
+    (:func:`profiler.reuse.signature`) takes its times instead of being timed again, and records the earlier
+    layer's name in ``reused_from``. ``clock`` replaces the timer (tests). Each layer records the spread of its
+    repeats; with ``warn``, one line on stderr says when they are too noisy to trust (:mod:`profiler.noise`).
+    """
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
     if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
         raise TypeError("example_input must be a tensor or a tuple of tensors")
+    if any(t.is_meta for t in inputs):
+        raise ValueError("example_input must hold real tensors (a meta model is profiled on real inputs)")
     dev = resolve_device(device)
     inputs = tuple(t.to(dev) for t in inputs)
-    clock = _Clock(dev)
+    timer: Clock = clock if clock is not None else _Clock(dev)
+    on_meta = has_meta(model)
+    reuse = on_meta if reuse is None else reuse
+    init = init_function(model) if on_meta else None
 
     from tqdm import tqdm
 
-    with _preserved(model, dev):
+    with _preserved(model, dev, move=not on_meta), \
+            (materialized_buffers(model, dev, init=init) if on_meta else nullcontext()):
         model.train()
         graph = layer_graph(model)
         keys_in, calls, keys_out, env = _layer_calls(model, graph, inputs)
-        data = frozenset(env)  # before the pass below adds the layers' outputs: the model's own inputs
-        params = list(model.parameters())
+        data = frozenset(env)  # before the layers' outputs are added: the model's own inputs
+        last_use = {k: i for i, keys in enumerate(keys_in) for k in keys}
+        params = [] if on_meta else list(model.parameters())
+        parts = _parts(model, graph)
+        calls_as = (["child"] * len(calls) if graph.kind == "sequential" else
+                    [repr(torch.fx.node.map_arg((n.args, n.kwargs), lambda _: "<input>")) for n in graph.nodes()])
         show = progress and sys.stderr.isatty()
-        bar = tqdm(total=2 * len(calls), desc="profiling", unit="layer", disable=not show, leave=False)
+        bar = tqdm(total=len(calls), desc="profiling", unit="layer", disable=not show, leave=False)
+        layers: list[Layer] = []
+        measured: dict[Any, int] = {}  # signature -> the layer measured for it
+        overhead = call_overhead_ms(dev)
         try:
-            # one pass over the whole model to get every layer's real inputs
-            activation: list[int] = []
-            kinds: list[str] = []
-            is_module = ([True] * len(calls) if graph.kind == "sequential"
-                         else [n.op == "call_module" for n in graph.nodes()])
-            with torch.no_grad():
-                for i, call in enumerate(calls):
-                    try:
-                        out = call({k: _copy(env[k]) for k in keys_in[i]})
-                    except Exception as exc:
-                        raise RuntimeError(
-                            f"layer {graph.names[i]} ({graph.descriptions[i]}) failed on the example input: "
-                            f"{type(exc).__name__}: {exc}"
-                        ) from exc
-                    env[keys_out[i]] = out
-                    kinds.append(_kind(graph, i, out, is_module[i]))
-                    activation.append(tensor_bytes(out))
-                    bar.update(1)
-            layers: list[Layer] = []
-            overhead = call_overhead_ms(dev)
             for i, call in enumerate(calls):
-                base = {k: env[k] for k in keys_in[i]}
-                fwd, bwd, weight_share = _measure(call, base, clock, params, warmup, repeats, overhead, data)
-                layers.append(
-                    Layer(
-                        name=graph.names[i],
-                        description=graph.descriptions[i],
-                        forward_ms=fwd,
-                        backward_ms=bwd,
-                        activation_bytes=float(activation[i]),
-                        parameter_bytes=float(graph.parameter_bytes[i]),
-                        kind=kinds[i],
-                        weight_backward_ms=bwd * weight_share,
-                    )
-                )
+                part, qualname = parts[i]
+                holder = (materialized(part, dev, seed=seed, name=qualname, init=init)
+                          if on_meta and part is not None else nullcontext())
+                with holder:
+                    base = {k: env[k] for k in keys_in[i]}
+                    with torch.no_grad():
+                        try:
+                            out = call({k: _copy(v) for k, v in base.items()})
+                        except Exception as exc:
+                            raise RuntimeError(
+                                f"layer {graph.names[i]} ({graph.descriptions[i]}) failed on the example input: "
+                                f"{type(exc).__name__}: {exc}"
+                            ) from exc
+                    env[keys_out[i]] = out
+                    kind = _kind(graph, i, out, isinstance(part, nn.Module))
+                    key = (signature(part, graph.descriptions[i], [base[k] for k in keys_in[i]], calls_as[i])
+                           if reuse and isinstance(part, nn.Module) else None)
+                    if key is not None and key in measured:
+                        source = layers[measured[key]]
+                        layers.append(Layer(graph.names[i], graph.descriptions[i], source.forward_ms,
+                                            source.backward_ms, float(tensor_bytes(out)),
+                                            float(graph.parameter_bytes[i]), kind, source.weight_backward_ms,
+                                            source.forward_spread, source.backward_spread, source.name))
+                    else:
+                        mine = list(part.parameters()) if on_meta and isinstance(part, nn.Module) else params
+                        fwd, bwd, share, f_spread, b_spread = _measure(call, base, timer, mine, warmup, repeats,
+                                                                       overhead, data)
+                        layers.append(Layer(graph.names[i], graph.descriptions[i], fwd, bwd, float(tensor_bytes(out)),
+                                            float(graph.parameter_bytes[i]), kind, bwd * share,
+                                            round(f_spread, 4), round(b_spread, 4)))
+                        if key is not None:
+                            measured[key] = i
+                    del base, out
+                for k in keys_in[i]:
+                    if last_use.get(k) == i and k not in data:
+                        env.pop(k, None)
                 bar.update(1)
         finally:
             bar.close()
@@ -364,14 +413,41 @@ def profile_model(
         "repeats": repeats,
         "layer_graph": graph.kind,
         "call_overhead_ms": list(overhead),
+        "timing_spread": noise_summary(layers),
     }
+    if on_meta:
+        info["materialized"] = "per layer"
+        info["seed"] = seed
     info.update(meta or {})
     model_inputs = tuple(
         ModelInput(name, float(tensor_bytes(inputs[i])) if i < len(inputs) else 0.0, tuple(readers))
         for i, (name, readers) in enumerate(zip(graph.input_names, graph.input_readers))
     )
-    return Profile(tuple(layers), tuple(graph.edges), info, tuple(graph.tied), model_inputs,
-                   tuple(graph.keep_together))
+    profile = Profile(tuple(layers), tuple(graph.edges), info, tuple(graph.tied), model_inputs,
+                      tuple(graph.keep_together))
+    line = noise_warning(profile) if warn else None
+    if line is not None:
+        print(line, file=sys.stderr)
+    return profile
+
+
+def _parts(model: nn.Module, graph: LayerGraph) -> list[tuple[nn.Module | tuple[nn.Module, str] | None, str]]:
+    """Per layer, what holds its parameters (a module, ``(owner, attribute)`` for a ``get_attr``, or nothing)
+    and its qualified name (the seed of its initialisation)."""
+    if graph.kind == "sequential":
+        return [(child, name) for name, child in sequential_children(model)]
+    gm = graph.graph_module
+    assert gm is not None
+    parts: list[tuple[nn.Module | tuple[nn.Module, str] | None, str]] = []
+    for n in graph.nodes():
+        if n.op == "call_module":
+            parts.append((gm.get_submodule(n.target), str(n.target)))
+        elif n.op == "get_attr":
+            owner, _, attr = str(n.target).rpartition(".")
+            parts.append(((gm.get_submodule(owner), attr), str(n.target)))
+        else:
+            parts.append((None, n.name))
+    return parts
 
 
 def _kind(graph: LayerGraph, i: int, out: Any, is_module: bool) -> str:

@@ -24,6 +24,11 @@ Times are per minibatch in milliseconds (``weight_backward_ms``, optional: the s
 computes the weight gradients, for split-backward schedules); sizes are bytes (``activation_bytes`` is the layer's output for one
 minibatch: the bytes of the tensors in it). Edges index into ``layers``.
 
+Optional per layer, written only when known (older profiles load without them): ``forward_spread`` and
+``backward_spread``, ``(p75 - p25) / median`` of the timed repeats (:mod:`profiler.noise`), and ``reused_from``,
+the name of an identical earlier layer whose times were reused rather than measured again
+(:mod:`profiler.reuse`; e.g. ``"model_layers_0"`` on ``model_layers_1`` of a decoder profiled on ``meta``).
+
 Each layer has a ``kind`` (optional in JSON, default ``"tensor"``): a ``"value"`` layer is one whose output holds
 no tensor at all (ints, ``torch.Size``, dtypes, devices, ``None``, tuples of those; e.g. ``x.size()`` and the
 shape arithmetic after it). Such a value is never sent between pipeline stages: a stage that needs it
@@ -100,10 +105,18 @@ class Layer:
     weight_backward_ms: float | None = None
     """The part of ``backward_ms`` that computes the weight gradients (``W`` of a split backward; the rest,
     ``backward_ms - weight_backward_ms``, is the input gradient ``I``). ``None``: not measured."""
+    forward_spread: float | None = None
+    """``(p75 - p25) / median`` of the forward's timed repeats (:mod:`profiler.noise`). ``None``: not recorded."""
+    backward_spread: float | None = None
+    """The same for the backward."""
+    reused_from: str | None = None
+    """The name of an identical earlier layer whose times these are (measured once, :mod:`profiler.reuse`);
+    ``None``: measured itself."""
 
     def __post_init__(self) -> None:
         keys = ("forward_ms", "backward_ms", "activation_bytes", "parameter_bytes")
-        for key in keys + (("weight_backward_ms",) if self.weight_backward_ms is not None else ()):
+        optional = ("weight_backward_ms", "forward_spread", "backward_spread")
+        for key in keys + tuple(k for k in optional if getattr(self, k) is not None):
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ProfileError(f"layer {self.name!r}: {key} must be a number, got {value!r}")
@@ -116,6 +129,8 @@ class Layer:
         if self.weight_backward_ms is not None and self.weight_backward_ms > self.backward_ms * (1 + 1e-9):
             raise ProfileError(f"layer {self.name!r}: weight_backward_ms ({self.weight_backward_ms!r}) is part of "
                                f"backward_ms ({self.backward_ms!r}) and cannot exceed it")
+        if self.reused_from is not None and (not isinstance(self.reused_from, str) or self.reused_from == self.name):
+            raise ProfileError(f"layer {self.name!r}: reused_from must name another layer, got {self.reused_from!r}")
         if self.kind not in KINDS:
             raise ProfileError(f"layer {self.name!r}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.kind == "value" and self.activation_bytes != 0:
@@ -218,6 +233,10 @@ class Profile:
             if layer.name in names:
                 raise ProfileError(f"duplicate layer name {layer.name!r}")
             names.add(layer.name)
+        for layer in self.layers:
+            if layer.reused_from is not None and layer.reused_from not in names:
+                raise ProfileError(f"layer {layer.name!r}: reused_from names {layer.reused_from!r}, which is no "
+                                   "layer of the profile")
         for a, b in self.edges:
             if not (0 <= a < n and 0 <= b < n):
                 raise ProfileError(f"edge ({a}, {b}) names an unknown layer (the profile has {n} layers)")
@@ -354,7 +373,7 @@ class Profile:
                     "activation_bytes": l.activation_bytes,
                     "parameter_bytes": l.parameter_bytes,
                     "kind": l.kind,
-                    **({"weight_backward_ms": l.weight_backward_ms} if l.weight_backward_ms is not None else {}),
+                    **{k: getattr(l, k) for k in _OPTIONAL if getattr(l, k) is not None},
                 }
                 for l in self.layers
             ],
@@ -408,6 +427,11 @@ class Profile:
                         kind=str(raw.get("kind", "tensor")),
                         weight_backward_ms=(_number(raw, "weight_backward_ms", where)
                                             if raw.get("weight_backward_ms") is not None else None),
+                        forward_spread=(_number(raw, "forward_spread", where)
+                                        if raw.get("forward_spread") is not None else None),
+                        backward_spread=(_number(raw, "backward_spread", where)
+                                         if raw.get("backward_spread") is not None else None),
+                        reused_from=(str(raw["reused_from"]) if raw.get("reused_from") is not None else None),
                     )
                 )
             except KeyError as exc:
@@ -451,6 +475,10 @@ class Profile:
             )
         except ProfileError as exc:
             raise ProfileError(f"{source}: {exc}") from None
+
+
+_OPTIONAL = ("weight_backward_ms", "forward_spread", "backward_spread", "reused_from")
+"""Layer fields written only when set: profiles without them (older ones) load unchanged."""
 
 
 def _records(data: dict[str, Any], key: str, fields: tuple[str, ...], source: str) -> list[tuple[dict[str, Any], str]]:
