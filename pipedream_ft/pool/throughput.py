@@ -127,6 +127,8 @@ class ThroughputModel:
 
     def ensure(self, model: str, sizes: Iterable[int]) -> None:
         """Plan every size of ``sizes`` not known yet for ``model``, and write the cache once."""
+        if model not in self.profiles:
+            raise PoolError(f"unknown model {model!r} (known: {', '.join(sorted(self.profiles)) or 'none'})")
         times = self._load(model)
         missing = sorted({int(n) for n in sizes} - set(times))
         if not missing:
