@@ -66,6 +66,8 @@ class ThroughputModel:
         self._times: dict[str, dict[int, float | None]] = {}
         self._keys: dict[str, str] = {}
         self._loaded: dict[str, object] = {}
+        self._problems: dict[str, tuple[object, object, float] | None] = {}
+        self._contractions: dict[str, object] = {}
         self.planned = 0
         """How many (model, n) this object planned (not found in a cache)."""
 
@@ -107,23 +109,61 @@ class ThroughputModel:
                 raise PoolError(f"model {model!r}: {exc}") from None
         return self._loaded[model]
 
+    def _contracted(self, model: str) -> object:
+        if model not in self._contractions:
+            from partitioner.contract import contract
+
+            self._contractions[model] = contract(self._profile(model))  # type: ignore[arg-type]
+        return self._contractions[model]
+
+    def _single_level(self, model: str) -> tuple[object, object, float] | None:
+        """The model's one-level problem, built once (the costly part of planning: the antichain states and
+        every range's times do not depend on the worker count); None where there is nothing to plan."""
+        if model not in self._problems:
+            from partitioner.antichain import linearize
+            from partitioner.optimizer import flat_problem
+
+            s = self.settings
+            states = linearize(self._contracted(model).profile)  # type: ignore[attr-defined]
+            self._problems[model] = None if states.num_states == 0 else (
+                states, flat_problem(states, 1, s.bandwidth, s.straight, s.memory_bytes),
+                float(states.compute_s[-1]))
+        return self._problems[model]
+
     def _plan_time(self, model: str, n: int) -> float | None:
         from partitioner.optimizer import partition
         from partitioner.plan import PlanError
 
         s = self.settings
         if s.machine_size is not None and n > s.machine_size and n % s.machine_size == 0:
-            workers: int | list[int] = [s.machine_size, n // s.machine_size]
-            bandwidth: float | list[float] = [s.bandwidth, s.inter_bandwidth or s.bandwidth]
-        else:
-            workers, bandwidth = n, s.bandwidth
-        try:
-            plan = partition(self._profile(model), workers, bandwidth, straight=s.straight,  # type: ignore[arg-type]
-                             memory_bytes=s.memory_bytes)
-        except PlanError:
+            try:
+                plan = partition(self._profile(model), [s.machine_size, n // s.machine_size],  # type: ignore
+                                 [s.bandwidth, s.inter_bandwidth or s.bandwidth], straight=s.straight)
+            except PlanError:
+                return None
+            return plan.time_per_minibatch_s if plan.time_per_minibatch_s > 0 else None
+        # one level: what partition() does, with what does not depend on the worker count done once per model:
+        # its scalable search for chains, else its general search on a problem built once
+        from dataclasses import replace
+
+        from partitioner.chain import flat_upper_plan, plan_chain
+        from partitioner.optimizer import solve_level
+
+        if s.memory_bytes is None:
+            try:
+                fast = plan_chain(self._profile(model), self._contracted(model), [n], [s.bandwidth],  # type: ignore
+                                  s.straight)
+            except PlanError:
+                return None
+            if fast is not None:
+                return fast.time_per_minibatch_s if fast.time_per_minibatch_s > 0 else None
+        built = self._single_level(model)
+        if built is None:  # nothing but inputs
             return None
-        t = plan.time_per_minibatch_s
-        return t if t > 0 else None
+        states, prob, compute = built
+        upper = flat_upper_plan(states, n, s.bandwidth, s.straight) if s.memory_bytes is None else None
+        sol = solve_level(replace(prob, workers=n), compute / n, upper)  # type: ignore[type-var]
+        return sol.time_s if sol is not None and sol.time_s > 0 else None
 
     def ensure(self, model: str, sizes: Iterable[int]) -> None:
         """Plan every size of ``sizes`` not known yet for ``model``, and write the cache once."""
