@@ -59,3 +59,11 @@ def test_a_real_pipedream_profile_scales_and_plans_fast(tmp_path) -> None:
     tm = ThroughputModel({"resnet18": d / "resnet18.graph.txt"}, PlanSettings(), tmp_path)
     c = tm.curve("resnet18", [1, 2, 4, 8])
     assert c[1] < c[2] < c[4] < c[8]
+
+
+def test_a_model_with_a_large_search_is_offered_powers_of_two(tmp_path) -> None:
+    prof = write_chain_profile(tmp_path / "m.graph.txt")
+    assert ThroughputModel({"m": prof}).elastic_sizes("m", 1, 6) == [1, 2, 3, 4, 5, 6]
+    big = ThroughputModel({"m": prof}, dense_states=0)
+    assert big.elastic_sizes("m", 1, 64) == [1, 2, 4, 8, 16, 32, 64]
+    assert big.elastic_sizes("m", 3, 12) == [3, 4, 8, 12]

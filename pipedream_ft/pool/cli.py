@@ -80,15 +80,18 @@ def build_parser() -> argparse.ArgumentParser:
 def job_curves(jobs: Sequence[Job], model: ThroughputModel, devices: int) -> dict[str, dict[int, float]]:
     """Each job's ``{size: minibatches/s}`` over the sizes it may be given (planned once per model and size)."""
     need: dict[str, set[int]] = {}
+    offered: dict[str, list[int]] = {}
     for j in jobs:
-        need.setdefault(j.model, set()).update(job_sizes(j, devices), [j.workers])
+        r = job_sizes(j, devices)
+        offered[j.name] = model.elastic_sizes(j.model, r.start, r.stop - 1)
+        need.setdefault(j.model, set()).update(offered[j.name], [j.workers])
     full = {m: model.curve(m, sorted(ns)) for m, ns in need.items()}
     out: dict[str, dict[int, float]] = {}
     for j in jobs:
         c = full[j.model]
         if j.workers not in c:
             raise PoolError(f"job {j.name}: model {j.model!r} has no plan on its {j.workers} workers")
-        out[j.name] = {n: c[n] for n in job_sizes(j, devices) if n in c}
+        out[j.name] = {n: c[n] for n in offered[j.name] if n in c}
         out[j.name][j.workers] = c[j.workers]
     return out
 

@@ -4,6 +4,11 @@ Each (model, n) is planned once: the curve is kept in memory and on disk (``cach
 hash of the profile file's bytes and the planning settings), so a second run plans nothing. A size where no plan
 exists (a straight pipeline longer than the model's cut points, or a ``memory_bytes`` limit no plan fits) is
 recorded as None and never allowed.
+
+Planning a size takes milliseconds to a second for most PipeDream profiles; a model whose search has very many
+antichain states (e.g. gnmt_large: 8,890, against at most 430 for the ResNets, DenseNet-121, VGG and GNMT) takes
+seconds to a minute per size, so elastic policies are offered only the powers of two (and the job's own sizes)
+for it: see :meth:`ThroughputModel.elastic_sizes`.
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ class ThroughputModel:
     """Minibatches per second of each model (a profile file) on ``n`` workers, planned lazily and cached."""
 
     def __init__(self, profiles: dict[str, Path], settings: PlanSettings | None = None,
-                 cache_dir: Path | None = None) -> None:
+                 cache_dir: Path | None = None, dense_states: int = 2000) -> None:
+        self.dense_states = dense_states
         self.profiles = dict(profiles)
         self.settings = settings or PlanSettings()
         self.cache_dir = cache_dir
@@ -68,6 +74,7 @@ class ThroughputModel:
         self._loaded: dict[str, object] = {}
         self._problems: dict[str, tuple[object, object, float] | None] = {}
         self._contractions: dict[str, object] = {}
+        self._states: dict[str, int] = {}
         self.planned = 0
         """How many (model, n) this object planned (not found in a cache)."""
 
@@ -93,9 +100,12 @@ class ThroughputModel:
             path = self._cache_file(model)
             if path is not None and path.exists():
                 try:
-                    times = {int(k): (None if v is None else float(v)) for k, v in json.loads(path.read_text()).items()}
-                except (OSError, ValueError, AttributeError):
-                    times = {}  # a damaged cache is re-planned
+                    data = json.loads(path.read_text())
+                    times = {int(k): (None if v is None else float(v)) for k, v in data["times"].items()}
+                    if data.get("states") is not None:
+                        self._states[model] = int(data["states"])
+                except (OSError, ValueError, AttributeError, KeyError, TypeError):
+                    times = {}  # a damaged or older cache is re-planned
             self._times[model] = times
         return self._times[model]
 
@@ -125,6 +135,7 @@ class ThroughputModel:
 
             s = self.settings
             states = linearize(self._contracted(model).profile)  # type: ignore[attr-defined]
+            self._states[model] = int(states.num_states)
             self._problems[model] = None if states.num_states == 0 else (
                 states, flat_problem(states, 1, s.bandwidth, s.straight, s.memory_bytes),
                 float(states.compute_s[-1]))
@@ -165,6 +176,23 @@ class ThroughputModel:
         sol = solve_level(replace(prob, workers=n), compute / n, upper)  # type: ignore[type-var]
         return sol.time_s if sol is not None and sol.time_s > 0 else None
 
+    def num_states(self, model: str) -> int:
+        """How many antichain states the model's search has (from the cache where it is there)."""
+        self._load(model)
+        if model not in self._states:
+            self._single_level(model)
+        return self._states[model]
+
+    def elastic_sizes(self, model: str, lo: int, hi: int) -> list[int]:
+        """The sizes from ``lo`` to ``hi`` offered to elastic policies: every one, or, for a model whose search
+        has more than ``dense_states`` antichain states (planning each size then takes seconds to minutes),
+        ``lo``, ``hi`` and the powers of two between."""
+        if hi < lo:
+            return []
+        if self.num_states(model) <= self.dense_states:
+            return list(range(lo, hi + 1))
+        return sorted({lo, hi} | {1 << k for k in range(hi.bit_length()) if lo <= 1 << k <= hi})
+
     def ensure(self, model: str, sizes: Iterable[int]) -> None:
         """Plan every size of ``sizes`` not known yet for ``model``, and write the cache once."""
         if model not in self.profiles:
@@ -184,7 +212,8 @@ class ThroughputModel:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
                 with os.fdopen(fd, "w") as f:
-                    json.dump({str(k): v for k, v in sorted(times.items())}, f)
+                    json.dump({"states": self._states.get(model),
+                               "times": {str(k): v for k, v in sorted(times.items())}}, f)
                 os.replace(tmp, path)
             except OSError:
                 pass  # an unwritable cache only costs time
