@@ -72,7 +72,7 @@ def test_a_resize_costs_its_time_with_no_progress() -> None:
     r = simulate(jobs, curves, "elastic-fifo", devices=4, resize_cost=10)
     a = {j.name: j for j in r.jobs}["a"]
     assert a.allocations[:2] == [[0.0, 4], [100.0, 2]]
-    # work 1000 (1 device x 1000 s); 400 done by 100; b runs 100..210 (10 s start? no: b's first start is free)
+    # a's work is 1000 (1 device x 1000 s), 400 done by 100; b's first start is free: it runs 100..200
     b = {j.name: j for j in r.jobs}["b"]
     assert b.start == 100 and b.finish == pytest.approx(200.0)
     # a: 100..110 paused, 110..200 at 2/s = 180 -> 420 left; at 200 it grows back to 4, paused to 210, 105 s
