@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import traceback
 from typing import Any, Callable
 
 from torch.distributed import DistError
@@ -22,6 +23,7 @@ from profiler.profile import ProfileError
 from .checkpoint import CheckpointError
 from .env import reported_rank
 from .errors import EXIT_RUNTIME, EXIT_SETUP, PipelineError, say
+from .failfast import die_if_stop_held, failing, stop_held
 from .pipeline.comm import PeerTimeoutError, ShapeMismatchError
 
 __all__ = ["exit_code_of", "run_reporting_errors", "exit_on_error"]
@@ -71,13 +73,31 @@ def run_reporting_errors(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> t
 def exit_on_error(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call ``fn``; on a known error print one line to stderr and exit non-zero instead of a traceback
     (see :func:`run_reporting_errors`). Either way, the process groups of every open trainer are shut down
-    first, so that no backend thread outlives the interpreter."""
+    first, so that no backend thread outlives the interpreter.
+
+    A failed process ends fast when told to stop (see :mod:`pipedream_ft.failfast`): from the moment the error
+    escapes ``fn``, SIGTERM ends it at once, and a SIGTERM that arrived while it was still training (held for an
+    emergency checkpoint) ends it by that signal as soon as its line is out, without the way out."""
     from .trainer import release_all  # the trainer imports most of the library: only when a script ends
 
+    def guarded() -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            failing()  # before the line is out: torchrun's SIGTERM may follow it at once
+            raise
+
     try:
-        code, result = run_reporting_errors(fn, *args, **kwargs)
-    finally:
+        code, result = run_reporting_errors(guarded)
+    except BaseException as exc:  # not a known error: its traceback, which the way out would print, first
+        if not isinstance(exc, SystemExit) and stop_held() is not None:
+            traceback.print_exception(exc)
+            die_if_stop_held()
         release_all()
+        raise
+    if code:
+        die_if_stop_held()
+    release_all()
     if code:
         logging.shutdown()
         sys.exit(code)

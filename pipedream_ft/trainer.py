@@ -469,6 +469,10 @@ class PipelineTrainer:
                 if failure is None:
                     break
                 self._recover(failure)
+        except BaseException:
+            if self.ckpt is not None:  # nothing is left to save: SIGTERM ends the process again
+                self.ckpt.stand_down()
+            raise
         finally:
             self.record.end()
             self.hooks.on_train_end(start, stop)
