@@ -93,6 +93,9 @@ def _store_case(cut: int) -> str | None:
         agree(store, rank=rank, world_size=2, facts=facts, timeout_s=60)
     except AgreementError as exc:
         return str(exc)
+    store.set(f"bye/{rank}", "1")  # ranks that agree go on together (here: the store's host leaves last)
+    if rank == 0:
+        store.wait(["bye/0", "bye/1"], timedelta(seconds=60))
     return None
 
 

@@ -48,6 +48,7 @@ _WHAT = {
 }
 
 _KEY = "agree/{rank}"
+_READ = "agree/read/{rank}"
 
 
 class AgreementError(PipelineSetupError):
@@ -147,4 +148,8 @@ def agree(store: dist.Store, *, rank: int, world_size: int, facts: Facts, timeou
     store.wait(keys, timedelta(seconds=timeout_s))
     line = disagreement({r: _decode(store.get(key)) for r, key in enumerate(keys)})
     if line is not None:
+        # the store's host (rank 0 without torchrun's agent) leaves last: a rank still reading must not lose it
+        store.set(_READ.format(rank=rank), "1")
+        if rank == 0:
+            store.wait([_READ.format(rank=r) for r in range(world_size)], timedelta(seconds=timeout_s))
         raise AgreementError(line)
