@@ -2,7 +2,7 @@
 
 It runs ``main`` as this rank's training and exits the process with a meaningful status:
 
-* known errors print one line (set-up errors once, from rank 0; runtime failures from every rank that sees them)
+* known errors print one line (set-up errors the same on every rank; runtime failures from every rank that sees them)
   instead of a traceback per rank;
 * every trainer's process groups are shut down before the interpreter exits, so no backend thread can abort
   a finished run;

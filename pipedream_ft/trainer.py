@@ -526,6 +526,9 @@ class PipelineTrainer:
             return None
         except PipelineSetupError as exc:  # found here; any recovery would meet it again: the whole group stops
             self.coordinator.publish_job_error(str(exc))
+            error = self.coordinator.job_error()  # as every rank reads it (the first published), for the same line
+            if error is not None:
+                raise JobError(error) from exc
             raise
         except PeerTimeoutError as exc:
             return self._peer_failure(exc)
