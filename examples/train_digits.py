@@ -82,13 +82,17 @@ def _profile_beside(path: str) -> str:
     return path[: -len(".plan.json")] + ".prof.json" if path.endswith(".plan.json") else "PROFILE"
 
 
-def plan_for_world(path: str) -> Plan:
+def plan_for_world(path: str, schedule: str = "1f1b") -> Plan:
     """The plan at ``path``, or — when torchrun runs another number of processes than it was made for — a plan for
     that number, made from the profile beside it (``X.prof.json`` for ``X.plan.json``, if it is this plan's
-    model), with one line on rank 0 saying so; without that profile, a set-up error naming the command to run."""
+    model), with one line on rank 0 saying so; without that profile, a set-up error naming the command to run.
+    Under a ``schedule`` that gives a process several stages the trainer checks the count itself."""
+    from pipedream_ft.config import planned_schedule
+    from pipedream_ft.virtual import runs_virtual
+
     plan = load_plan(path)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if plan.world_size == world:
+    if plan.world_size == world or runs_virtual(planned_schedule(schedule, plan.settings)):
         return plan
     profile_path = _profile_beside(path)
     if os.path.exists(profile_path):

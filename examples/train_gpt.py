@@ -314,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _report(args, data, model.state_dict(), losses, 0, seconds, {})
         return 0
 
-    plan = plan_for_world(args.plan)  # re-planned from the profile beside it for another process count
+    plan = plan_for_world(args.plan, args.schedule)  # re-planned from the profile beside it for another process count
     steps = round_steps(args.steps, plan, args.mode, args.flush_every)
     rank = int(os.environ.get("RANK", "0"))
     mode, topo = _mode_of(args, plan, rank)

@@ -58,7 +58,9 @@ def tell_torchrun(line: str) -> None:
     try:
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"message": line, "timestamp": int(time.time())}, f)
+            # the format torchrun's own @record writes; its block shows py_callstack: the line, not a traceback
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
         os.replace(tmp, path)
     except OSError:  # the line is out on stderr already
         pass
