@@ -1,7 +1,7 @@
 """Recovery time after a worker dies: in-place recovery against torchrun's whole-group restarts, measured in one run.
 
-Run: ``python benchmarks/bench_recovery.py [--failures 5] [--peer-failures 3] [--quick] [--no-peers] [--no-hang]
-[--no-supervisor] [--no-double]``.
+Run: ``python benchmarks/bench_recovery.py [--failures 5] [--peer-failures 3] [--quick] [--no-inplace] [--no-peers]
+[--no-plain] [--no-hang] [--no-supervisor] [--no-double]``.
 Model flags: ``--width 1024 --blocks 8 --batch 16`` (8.4M parameters, the fault-tolerance benchmarks' MLP as a
 straight 4-stage pipeline on 4 CPU processes, ``OMP_NUM_THREADS=1``); ``--memory-every 4`` (memory-tier
 checkpoint interval), ``--timeout 5`` (peer timeout).
@@ -36,6 +36,14 @@ fork too), *set-up* (→ every trainer built, its group joined and its checkpoin
 of one rank (the training process's supervisor) is SIGKILLed, as an OOM killer would; torchrun ends the others
 and restarts the group, which resumes from the memory tier. Reported like a torchrun restart, against the
 default-start floor.
+
+**Plain script** (``--no-plain`` to skip): the training script run as a user's plain script would be — no
+:func:`pipedream_ft.launch` but :func:`pipedream_ft.exit_on_error`, the checkpointer's default emergency save on
+SIGTERM, durable checkpoints to a ``file://`` URL — under torchrun's restarts (``--max-restarts``); one worker's
+process SIGKILLed, ``--peer-failures`` times. Reported like a torchrun restart, against the default-start floor
+(target: within the floor + 1 s). Its *torchrun* phase includes the survivors' exit after torchrun's SIGTERM.
+
+``--no-inplace`` skips the in-place job (the figures against its median are then left out).
 
 **Double kill** (``--no-double`` to skip; in place): one worker is killed and its replacement is killed again
 0.4 s after it starts, while the group forms again. Reported: kill → every stage's first step after the group
@@ -205,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-every", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=5.0)
     ap.add_argument("--quick", action="store_true", help="2 in-place failures, 1 per peer")
+    ap.add_argument("--no-inplace", action="store_true")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--no-plain", action="store_true")
     ap.add_argument("--no-hang", action="store_true")
     ap.add_argument("--no-supervisor", action="store_true")
     ap.add_argument("--no-double", action="store_true")
@@ -218,11 +228,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"4 CPU ranks, {params / 1e6:.1f}M parameters, memory tier every {args.memory_every} minibatches, "
               f"peer timeout {args.timeout:.0f}s", flush=True)
         kills = _kills(args.failures, args.spacing)
-        run_job(work / "inplace", "in-place", kills, kills[-1][1] + args.spacing, args)
-        rows = in_place_phases(work / "inplace")
+        rows = []
+        if not args.no_inplace:
+            run_job(work / "inplace", "in-place", kills, kills[-1][1] + args.spacing, args)
+            rows = in_place_phases(work / "inplace")
         cols = ["detection", "re-forming", "restore", "first step", "total"]
-        print(f"\nin-place recovery, kill -9 of one worker's training process ({len(rows)} failures):")
-        print(f"{'failure':>7} {'rank':>4} " + " ".join(f"{c:>10}" for c in cols) + f" {'redone':>6}")
+        if not args.no_inplace:
+            print(f"\nin-place recovery, kill -9 of one worker's training process ({len(rows)} failures):")
+            print(f"{'failure':>7} {'rank':>4} " + " ".join(f"{c:>10}" for c in cols) + f" {'redone':>6}")
         for i, r in enumerate(rows):
             print(f"{i + 1:>7} {r['rank']:>4} " + " ".join(f"{r[c]:>9.3f}s" for c in cols) + f" {r['redone']:>6}")
         if rows:
@@ -245,13 +258,21 @@ def main(argv: list[str] | None = None) -> int:
                 total = _print_restarts(label, restart_phases(events), floors[fork])
                 if total is not None:
                     peers[label] = total
+        if not args.no_plain:
+            pk = _kills(args.peer_failures, args.spacing)
+            events = work / "plain"
+            run_job(events, "restart", pk, pk[-1][1] + args.spacing, args, restarts=args.peer_failures,
+                    extra=("--plain", "--ckpt", (work / "plain-ckpt").as_uri()))
+            _print_restarts(f"plain script, no launch, emergency save, durable file:// checkpoints ({_START[False]})",
+                            restart_phases(events), floors[False])
         if not args.no_supervisor:
             events = work / "supervisor"
             run_job(events, "in-place", [(2, 30)], 30 + args.spacing, args, restarts=1, extra=("--supervisor",))
             _print_restarts(f"supervisor kill, in place ({_START[False]})", restart_phases(events), floors[False])
-        print(f"\nin-place median {median:.3f}s (target <= 1.5s)"
-              + "".join(f"; {median / v:.2f}x {k}" for k, v in peers.items()))
-        if not args.no_double:
+        if rows:
+            print(f"\nin-place median {median:.3f}s (target <= 1.5s)"
+                  + "".join(f"; {median / v:.2f}x {k}" for k, v in peers.items()))
+        if not args.no_double and rows:
             events = work / "double"
             run_job(events, "in-place", [(2, 30)], 30 + args.spacing, args, extra=("--double", "0.4"))
             total = double_kill_total(events)

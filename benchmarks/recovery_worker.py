@@ -7,7 +7,8 @@ ReLU`` blocks, 8.4M parameters by default) as a straight 4-stage pipeline until 
 the forward of minibatch ``S`` in the group's attempt ``k`` (restart count plus in-place recoveries), after
 writing the time to ``--events/kill-k.json``. ``--supervisor``: SIGKILL the rank's supervisor (the torchrun
 worker process, the training process's parent) instead; ``--double S``: the replacement of a killed process
-kills itself too, ``S`` seconds after it starts (while the group forms again).
+kills itself too, ``S`` seconds after it starts (while the group forms again). ``--plain``: run as a plain script
+(:func:`pipedream_ft.exit_on_error`, no :func:`pipedream_ft.launch`).
 
 Every process writes ``--events/r{rank}-a{attempt}-i{incarnation}.json``: when its interpreter started running
 this file (``started``; a forked replacement inherits its supervisor's), when ``main`` started, the trainer's
@@ -157,4 +158,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    pipedream_ft.launch(main)
+    if "--plain" in sys.argv:  # a plain script: no launch, its failures left to torchrun's restarts
+        sys.argv.remove("--plain")
+        pipedream_ft.exit_on_error(main)
+    else:
+        pipedream_ft.launch(main)

@@ -37,7 +37,7 @@ from pipedream_ft.policies import EveryNSteps  # noqa: E402
 from pipedream_ft import PipelineConfig, PipelineTrainer
 from pipedream_ft.pipeline.modes import MODES  # noqa: E402
 
-__all__ = ["DigitsData", "round_steps", "make_optimizer", "evaluate", "parse_args", "main"]
+__all__ = ["DigitsData", "plan_for_world", "round_steps", "make_optimizer", "evaluate", "parse_args", "main"]
 
 LOG_EVERY = 20
 
@@ -75,6 +75,44 @@ class DigitsData:
         epoch, i = divmod(b, self.per_epoch)
         idx = self._perm(epoch)[i * self.batch_size: (i + 1) * self.batch_size]
         return self.train_x[idx], self.train_y[idx]
+
+
+def _profile_beside(path: str) -> str:
+    """The profile the usage above writes beside plan ``X.plan.json``: ``X.prof.json``."""
+    return path[: -len(".plan.json")] + ".prof.json" if path.endswith(".plan.json") else "PROFILE"
+
+
+def plan_for_world(path: str, schedule: str = "1f1b") -> Plan:
+    """The plan at ``path``, or — when torchrun runs another number of processes than it was made for — a plan for
+    that number, made from the profile beside it (``X.prof.json`` for ``X.plan.json``, if it is this plan's
+    model), with one line on rank 0 saying so; without that profile, a set-up error naming the command to run.
+    Under a ``schedule`` that gives a process several stages the trainer checks the count itself."""
+    from pipedream_ft.config import planned_schedule
+    from pipedream_ft.virtual import runs_virtual
+
+    plan = load_plan(path)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if plan.world_size == world or runs_virtual(planned_schedule(schedule, plan.settings)):
+        return plan
+    profile_path = _profile_beside(path)
+    if os.path.exists(profile_path):
+        from profiler.profile import load_profile
+        from pipedream_ft.ft.elastic import describe_plan, replan
+
+        profile = load_profile(profile_path)
+        if profile.structure_hash() == plan.profile_hash:
+            new = replan(profile, world, plan.settings)
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"{path} is a plan for {plan.world_size} processes and {world} run it: re-planned from "
+                      f"{profile_path} for {world} ({describe_plan(new)})", flush=True)
+            return new
+    settings = plan.settings
+    flags = f" --workers {world} --bandwidth {min(float(b) for b in settings.get('bandwidth') or [1e9]):g}"
+    flags += " --straight" if settings.get("straight") else ""
+    flags += f" --memory {settings['memory_bytes']:g}" if settings.get("memory_bytes") else ""
+    raise PipelineSetupError(f"{path} is a plan for {plan.world_size} processes, but {world} run it: re-plan "
+                             f"for {world} with `pipedream-partition {profile_path}{flags} -o {path}` (or run "
+                             f"torchrun --nproc-per-node {plan.world_size})")
 
 
 def round_steps(steps: int, plan: Plan, mode: str, flush_every: int) -> int:
@@ -149,7 +187,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    plan = load_plan(args.plan)
+    plan = plan_for_world(args.plan)
     steps = round_steps(args.steps, plan, args.mode, args.flush_every)
     data = DigitsData(args.batch_size, args.seed)
     torch.manual_seed(args.seed)  # every rank builds the same initial model; replicas must start equal

@@ -55,8 +55,8 @@ from torch import nn
 
 from pipedream_ft_examples.gpt import GPT, gpt  # noqa: E402
 from pipedream_ft_examples.text_data import TextData, decode  # noqa: E402
-from pipedream_ft_examples.train_digits import round_steps  # noqa: E402
-from partitioner.plan import Plan, load_plan  # noqa: E402
+from pipedream_ft_examples.train_digits import plan_for_world, round_steps  # noqa: E402
+from partitioner.plan import Plan  # noqa: E402
 import pipedream_ft  # noqa: E402
 from pipedream_ft import CheckpointConfig, PipelineConfig, PipelineSetupError, PipelineTrainer  # noqa: E402
 from pipedream_ft.pipeline.modes import MODES, Mode, make_mode  # noqa: E402
@@ -314,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _report(args, data, model.state_dict(), losses, 0, seconds, {})
         return 0
 
-    plan = load_plan(args.plan)
+    plan = plan_for_world(args.plan, args.schedule)  # re-planned from the profile beside it for another process count
     steps = round_steps(args.steps, plan, args.mode, args.flush_every)
     rank = int(os.environ.get("RANK", "0"))
     mode, topo = _mode_of(args, plan, rank)

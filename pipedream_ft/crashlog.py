@@ -21,6 +21,7 @@ training again; an attempt with another world size (an elastic resize) is not st
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import traceback
@@ -29,13 +30,40 @@ from pathlib import Path
 from .env import DistEnv
 from .errors import EXIT_RUNTIME, EXIT_SETUP, say, training_begun
 
-__all__ = ["crashed", "log_path", "signature"]
+__all__ = ["crashed", "keep_traceback", "log_dir", "log_path", "signature", "tell_torchrun"]
+
+
+def log_dir(env: DistEnv) -> Path:
+    """The directory of every rank's traceback files (see the module docstring): the same on every rank."""
+    return Path(env.log_dir) if env.log_dir else Path.cwd() / "pipedream-ft-logs" / env.run_id
 
 
 def log_path(env: DistEnv) -> Path:
     """Where this process writes the traceback of an unexpected error (see the module docstring)."""
-    root = Path(env.log_dir) if env.log_dir else Path.cwd() / "pipedream-ft-logs" / env.run_id
-    return root / f"rank{env.rank}-attempt{env.restart_count}-process{env.incarnation}.log"
+    return log_dir(env) / f"rank{env.rank}-attempt{env.restart_count}-process{env.incarnation}.log"
+
+
+def keep_traceback(env: DistEnv, exc: BaseException) -> bool:
+    """Append ``exc``'s traceback to :func:`log_path` (a set-up error's line names the directory); ``False`` if
+    it could not be written."""
+    return _write(log_path(env), exc).startswith("full traceback")
+
+
+def tell_torchrun(line: str) -> None:
+    """Give torchrun this process's error ``line`` (its ``TORCHELASTIC_ERROR_FILE``, unless something wrote one
+    already), so that its ``ChildFailedError`` block shows the line instead of a link to its documentation."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    try:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            # the format torchrun's own @record writes; its block shows py_callstack: the line, not a traceback
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+        os.replace(tmp, path)
+    except OSError:  # the line is out on stderr already
+        pass
 
 
 def signature(exc: BaseException) -> str:
@@ -72,6 +100,7 @@ def crashed(env: DistEnv, exc: Exception) -> int:
     if not training_begun() and first:
         line = f"{head} (before training started: the job stops); {where}"
         say(line)
+        tell_torchrun(line)
         stop_job(env, line)
         return EXIT_SETUP
     sig = signature(exc)
@@ -79,6 +108,7 @@ def crashed(env: DistEnv, exc: Exception) -> int:
         line = f"{head}, the same error at the same place as this rank's previous process: it recurs, the job " \
                f"stops; {where}"
         say(line)
+        tell_torchrun(line)
         stop_job(env, line)
         return EXIT_SETUP
     record_crash(env, sig)

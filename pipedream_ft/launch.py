@@ -2,7 +2,7 @@
 
 It runs ``main`` as this rank's training and exits the process with a meaningful status:
 
-* known errors print one line (set-up errors once, from rank 0; runtime failures from every rank that sees them)
+* known errors print one line (set-up errors the same on every rank; runtime failures from every rank that sees them)
   instead of a traceback per rank;
 * every trainer's process groups are shut down before the interpreter exits, so no backend thread can abort
   a finished run;
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 from dataclasses import replace
 from typing import Any, Callable, NoReturn
@@ -33,31 +32,12 @@ from typing import Any, Callable, NoReturn
 from .crashlog import crashed
 from .env import hand_over, read_env, requested_recovery
 from .errors import EXIT_RUNTIME, EXIT_SETUP
+from .failfast import die_if_stop_held, failing
 from .reporting import run_reporting_errors
 
 __all__ = ["RECOVERY_MODES", "launch"]
 
 RECOVERY_MODES = ("in-place", "restart")
-
-
-def _die_on_sigterm() -> None:
-    """The training failed: nothing is left to save, so SIGTERM (torchrun ending the group) ends the process
-    at once instead of asking for an emergency checkpoint that cannot happen. Leaving the interpreter can take
-    a peer timeout (a process group's pending operations); torchrun would otherwise wait for it, or SIGKILL the
-    process after its grace period."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_DFL)
-
-
-def _stop_requested() -> bool:
-    """Whether a trainer of this process received SIGTERM (its emergency-checkpoint handler held it)."""
-    from .trainer import _OPEN
-
-    for trainer in list(_OPEN):
-        handler = getattr(getattr(trainer, "ckpt", None), "preemption", None)
-        if handler is not None and handler.requested:
-            return True
-    return False
 
 
 def launch(main: Callable[..., Any], *args: Any, recovery: str | None = None, max_replacements: int = 16,
@@ -89,7 +69,7 @@ def launch(main: Callable[..., Any], *args: Any, recovery: str | None = None, ma
             try:
                 return main(*args, **kwargs)
             except BaseException:
-                _die_on_sigterm()  # before the failure's line is out: torchrun's SIGTERM may follow it at once
+                failing()  # before the failure's line is out: torchrun's SIGTERM may follow it at once
                 raise
 
         code = EXIT_RUNTIME
@@ -101,11 +81,8 @@ def launch(main: Callable[..., Any], *args: Any, recovery: str | None = None, ma
             code = crashed(mine, exc)
         finally:
             if code != 0:
-                _die_on_sigterm()
-                if _stop_requested():  # the SIGTERM came while this process was failing: it was held, go now
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os.kill(os.getpid(), signal.SIGTERM)
+                failing()
+                die_if_stop_held()  # the SIGTERM came while this process was failing: it was held, go now
             release_all()
         if code in (0, EXIT_SETUP):  # the job is over for good: its memory-tier parts would only fill RAM
             from .checkpoint.shm import leave_all

@@ -43,6 +43,7 @@ from .config import PipelineConfig, TrainResult, planned_schedule
 from .env import DistEnv, read_env
 from .errors import InvalidArgument, JobError, PipelineSetupError, mark_training, say
 from .ft import cuts
+from .ft.agreement import agree, data_fact, mode_fact, model_fact, plan_fact
 from .ft.checkpointer import CheckpointConfig, Checkpointer, plan_hash, refuse_per_process
 from .ft.inplace import InPlace
 from .ft.recovery import Membership, store_connection
@@ -178,6 +179,12 @@ class PipelineTrainer:
             tied = TiedParameters(specs, objects, module, topo, self.mode, optimizer_factory,
                                   connection=self.connection)
         self.tied_specs = specs
+        self.facts = {"plan": plan_fact(plan), "model": model_fact(ml.names, ml.root),
+                      "mode": mode_fact({"mode": repr(self.mode), "update_every": config.update_every,
+                                         "clip_grad_norm": config.clip_grad_norm, "autocast": config.autocast_dtype,
+                                         "compensation": config.compensation}),
+                      "data": data_fact(seed=config.seed, checkpoint_url=checkpoint.url if checkpoint else None)}
+        """What every rank must hold the same of, checked at start-up (see :mod:`pipedream_ft.ft.agreement`)."""
         del ml, model
         self.state = StageState(module, optimizer_factory, stage=topo.stage, replica=topo.replica,
                                 keep=self.mode.versions_kept(topo), extra=extra_state, tied=tied)
@@ -257,6 +264,7 @@ class PipelineTrainer:
         if self.inplace is not None and env.incarnation > 0 and env.live_round:
             return self.inplace.join(self._side, env.live_round, self.timeline).cut
         epoch = self.coordinator.new_epoch()
+        agree(epoch.store, rank=env.rank, world_size=env.world_size, facts=self.facts, timeout_s=self.config.timeout_s)
         self._connect(epoch.store)
         if self.inplace is not None:
             self.inplace.enter(epoch.id).start()
@@ -461,6 +469,10 @@ class PipelineTrainer:
                 if failure is None:
                     break
                 self._recover(failure)
+        except BaseException:
+            if self.ckpt is not None:  # nothing is left to save: SIGTERM ends the process again
+                self.ckpt.stand_down()
+            raise
         finally:
             self.record.end()
             self.hooks.on_train_end(start, stop)
@@ -514,6 +526,9 @@ class PipelineTrainer:
             return None
         except PipelineSetupError as exc:  # found here; any recovery would meet it again: the whole group stops
             self.coordinator.publish_job_error(str(exc))
+            error = self.coordinator.job_error()  # as every rank reads it (the first published), for the same line
+            if error is not None:
+                raise JobError(error) from exc
             raise
         except PeerTimeoutError as exc:
             return self._peer_failure(exc)

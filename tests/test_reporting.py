@@ -1,4 +1,4 @@
-"""One line and the error's own exit status (pipedream_ft/reporting.py): set-up errors from rank 0 only, runtime
+"""One line and the error's own exit status (pipedream_ft/reporting.py): set-up errors the same on every rank, runtime
 failures from every rank, anything else propagates."""
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from torch.distributed import DistError
 
 from partitioner.plan import PlanError
 from pipedream_ft.checkpoint import CheckpointError
+from pipedream_ft.crashlog import log_dir
+from pipedream_ft.env import read_env
 from pipedream_ft.errors import (EXIT_PREEMPTED, EXIT_RECOVERY_FAILED, EXIT_REPLAN, EXIT_RUNTIME, EXIT_SETUP, JobError,
                                  PipelineError, PipelineSetupError)
 from pipedream_ft.ft.checkpointer import Preempted
@@ -39,8 +41,8 @@ def test_each_error_carries_its_status_and_says_one_line(exc, code, rank, monkey
     assert exit_code_of(exc) == code
     assert run_reporting_errors(fail) == (code, None)
     lines = capsys.readouterr().err.splitlines()
-    if code == EXIT_SETUP:  # the same on every rank: rank 0 says it
-        assert lines == ([f"pipedream-ft: error: {exc}"] if rank == "0" else [])
+    if code == EXIT_SETUP:  # the same line on every rank, naming where the tracebacks are
+        assert lines == [f"pipedream-ft: error: {exc} (tracebacks in {log_dir(read_env())})"]
     elif isinstance(exc, DistError):
         assert lines == [f"pipedream-ft: rank {rank}: DistError: store gone"]
     else:

@@ -762,6 +762,13 @@ class Checkpointer:
         if self.memory_tier is not None:
             self.memory_tier.destroy()
 
+    def stand_down(self) -> None:
+        """Training failed: nothing is left to save in an emergency, so SIGTERM no longer asks for a checkpoint; the
+        handler this checkpointer installed is removed (a signal it already held stays :attr:`PreemptionHandler.requested`,
+        for :func:`pipedream_ft.failfast.die_if_stop_held`)."""
+        if self.preemption is not None and self._own_preemption:
+            self.preemption.uninstall()
+
     def close(self) -> None:
         """Stop the writers and the owner's heartbeat (releasing the location); then, if the last durable
         cut could not be committed (see :meth:`finish`), raise :class:`CheckpointError` with its line, on every
@@ -771,8 +778,7 @@ class Checkpointer:
                 writer.close(timeout=self.config.commit_timeout_s)
         if self.peer_server is not None:
             self.peer_server.close()
-        if self.preemption is not None and self._own_preemption:
-            self.preemption.uninstall()
+        self.stand_down()
         if self.owner is not None:
             self.owner.release()
         unfinished, self.unfinished = self.unfinished, None
