@@ -68,6 +68,7 @@ from .pipeline.precision import LossScale, LossScaler, autocast_context
 from .pipeline.record import TrainRecord
 from .pipeline.schedule import Action, receives_ahead
 from .pipeline.scheduler import SchedulerFactory, attach_scheduler
+from .pipeline.materialize import Init, has_meta, materialize_stage
 from .pipeline.stage import build_stage, executed_layers, model_layers
 from .pipeline.state import StageState
 from .pipeline.stepper import Stepper
@@ -91,7 +92,11 @@ class PipelineTrainer:
     changed re-plan; with checkpointing it is also stored beside the checkpoints, so later attempts can re-plan
     without it. A parameter used by layers of several stages (tied embeddings) is kept equal on all of them
     (see :mod:`pipedream_ft.pipeline.tied`); ``tied_parameters`` also ties groups of distinct parameters by
-    name (e.g. ``[["wte.weight", "lm_head.weight"]]``). The trainer builds its own process groups (it does not need ``torch.distributed``'s default
+    name (e.g. ``[["wte.weight", "lm_head.weight"]]``). A model built on the ``meta`` device (under
+    ``torch.device("meta")``) costs nothing to build: only this rank's stage gets storage, with values from
+    ``init`` (see :mod:`pipedream_ft.pipeline.materialize`: by default the model's own initialisation seeded per
+    module from ``config.seed``; ``FromFile(path)`` reads only the stage's tensors from a weights file); ``init``
+    given with a real model re-initialises the stage the same way. The trainer builds its own process groups (it does not need ``torch.distributed``'s default
     group); :meth:`close` releases them. Under a schedule that gives a process several stages (virtual stages),
     the call returns a :class:`~pipedream_ft.virtual.VirtualTrainer` with the same methods.
     """
@@ -122,6 +127,7 @@ class PipelineTrainer:
         scheduler_factory: SchedulerFactory | None = None,
         tied_parameters: Sequence[Sequence[str]] = (),
         turns: Turns | None = None,
+        init: Init | None = None,
     ) -> None:
         self.turns = turns
         """The turns this stage takes with the other stages of its process (virtual stages, see
@@ -170,7 +176,10 @@ class PipelineTrainer:
             timeout_s=config.timeout_s, replica_ranks=topo.stage_ranks,
             links=lambda: topo.links() + target_links(topo) + (self.state.tied.links() if self.state.tied else []))
         """This rank's one communication handle: every component talks through it; each epoch re-configures it."""
-        module = build_stage(ml, plan, topo.stage).to(self.device)
+        module = build_stage(ml, plan, topo.stage)
+        if init is not None or has_meta(model):  # only this stage's tensors get storage (and values)
+            materialize_stage(model, [module], init=init, seed=config.seed, also=[ml.root])
+        module = module.to(self.device)
         specs = find_tied(ml, executed_layers(ml, plan.layer_to_stage, plan.num_stages, plan.recompute))
         tied = None
         if any(topo.stage in spec.stages for spec in specs):
