@@ -152,3 +152,70 @@ def load_case(kind: str, plan: dict[str, Any], paths: list[str], bad: str) -> di
     except PipelineSetupError as exc:
         out["error"] = str(exc)
     return out
+
+
+def big_llama(layers: int = 12) -> nn.Module:
+    """A Llama of about 285 MB in float32 (vocabulary 32000, hidden 512), on the meta device, wrapped by
+    ``for_pipeline``: large enough that a process holding it whole shows in its peak resident memory."""
+    import transformers
+
+    from profiler.hf import for_pipeline
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408,
+                                      num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                                      max_position_embeddings=64, tie_word_embeddings=False)
+    with torch.device("meta"):
+        return for_pipeline(transformers.LlamaForCausalLM(config))
+
+
+def status_kib(field: str) -> int:
+    """A ``/proc/self/status`` field (``VmRSS``, ``VmHWM``) in KiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def save_case(plan: dict[str, Any], directory: str, file: str) -> dict[str, Any]:
+    """One rank: the big Llama built on meta, seeded, written by every stage with ``save_pretrained`` and
+    ``save_model(..., "safetensors")``; this process's resident memory before and its peak after."""
+    from partitioner.plan import Plan
+    from pipedream_ft import PipelineConfig, PipelineTrainer
+    from profiler.hf import causal_lm_loss
+
+    model = big_llama()  # imports done: what grows from here is the model's
+    before = status_kib("VmRSS")
+    marks = {}
+    trainer = PipelineTrainer(model, Plan.from_json(plan), loss_fn=causal_lm_loss,
+                              optimizer_factory=_optimizer,
+                              config=PipelineConfig(mode="flush", seed=SEED, timeout_s=300, summary=False,
+                                                    check_model_hash=False))
+    del model
+    stage_bytes = sum(t.numel() * t.element_size() for t in trainer.module.state_dict().values())
+    marks["built"] = (status_kib("VmRSS"), status_kib("VmHWM"))
+    trainer.save_pretrained(directory, max_shard_bytes=40 * 2**20)
+    marks["pretrained"] = (status_kib("VmRSS"), status_kib("VmHWM"))
+    trainer.save_model(file, format="safetensors")
+    marks["model"] = (status_kib("VmRSS"), status_kib("VmHWM"))
+    trainer.close()
+    return {"before_kib": before, "peak_kib": status_kib("VmHWM"), "stage_bytes": stage_bytes, "marks": marks}
+
+
+def memory_case(mode: str) -> list[dict[str, Any]]:
+    """One rank: the runtime tests' MLP (built on meta) trained 8 minibatches with Adam; every rank's stats."""
+    from partitioner.plan import Plan  # noqa: F401
+    from pipedream_ft import PipelineConfig, PipelineTrainer
+    from runtime_cases import adam, data, mlp, plan_for, timed_profile
+
+    with torch.device("meta"):
+        model = mlp()
+    plan = plan_for(model, [[0, 1, 2, 3], [4, 5, 6, 7, 8]])
+    trainer = PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=adam,
+                              profile=timed_profile(model),
+                              config=PipelineConfig(mode=mode, flush_every=4, timeout_s=120, summary=False))
+    trainer.train(data, 8)
+    rows = trainer.gather_stats()
+    trainer.close()
+    return rows
