@@ -192,7 +192,7 @@ class PipelineTrainer:
         del ml, model
         self.state = StageState(module, optimizer_factory, stage=topo.stage, replica=topo.replica,
                                 keep=self.mode.versions_kept(topo), extra=extra_state, tied=tied)
-        self._meter = ActivationMeter()
+        self._meter = ActivationMeter(self._weight_tensors)
         self._meter.attach(module)
         if tied is not None and scheduler_factory is not None:
             tied.attach_schedulers(scheduler_factory)
@@ -588,6 +588,15 @@ class PipelineTrainer:
         """Every rank's :class:`RankStats` of the last :meth:`train` (as dicts, with its rank and stage, and under
         ``"memory"`` its :meth:`memory_report` as a dict), in rank order, on every rank. A collective."""
         return self.group.all_gather_object({**self._stats_row(), "memory": self.memory_report().as_dict()})
+
+    def _weight_tensors(self) -> list[torch.Tensor]:
+        """The weight versions this stage keeps (what a forward reads as weights besides its parameters)."""
+        versions = self.state.versions
+        tied = self.state.tied
+        kept = [versions.current, *versions.history.values()]
+        if tied:
+            kept += [v for g in tied.groups for v in (g.versions.current, *g.versions.history.values())]
+        return [t for v in kept for t in v.tensors]
 
     def memory_report(self) -> MemoryReport:
         """This process's memory: its stage's weights, gradients, optimizer state, weight versions and in-flight

@@ -24,7 +24,7 @@ from __future__ import annotations
 import resource
 import sys
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -102,9 +102,12 @@ def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
 
 class ActivationMeter(Hooks):
     """The bytes each forward of ``module`` saves for its backward, and the peak of their sum over the minibatches
-    in flight (forwarded, not yet backwarded). Attach with :meth:`attach`; add to the trainer's hooks."""
+    in flight (forwarded, not yet backwarded). Attach with :meth:`attach`; add to the trainer's hooks.
+    ``weights()`` gives the tensors a forward may read as weights (parameters, weight versions): saved, they are
+    not activations."""
 
-    def __init__(self) -> None:
+    def __init__(self, weights: Callable[[], Iterable[torch.Tensor]] = lambda: ()) -> None:
+        self.weights = weights
         self._pending = 0
         self._counting: Any = None
         self._skip: set[int] = set()
@@ -113,8 +116,6 @@ class ActivationMeter(Hooks):
         self.peak_in_flight = 0
 
     def attach(self, module: nn.Module) -> None:
-        self._skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
-
         def pack(t: torch.Tensor) -> torch.Tensor:
             if t.untyped_storage().data_ptr() not in self._skip:
                 self._pending += t.numel() * t.element_size()
@@ -122,6 +123,7 @@ class ActivationMeter(Hooks):
 
         def pre(_module: nn.Module, _args: Any) -> None:
             self._pending = 0
+            self._skip = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *self.weights()]}
             self._counting = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
             self._counting.__enter__()
 
