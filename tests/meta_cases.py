@@ -219,3 +219,21 @@ def memory_case(mode: str) -> list[dict[str, Any]]:
     rows = trainer.gather_stats()
     trainer.close()
     return rows
+
+
+def checkpoint_case(url: str) -> dict[str, torch.Tensor]:
+    """One rank: the runtime tests' MLP (built on meta) trained 8 minibatches, checkpointed at 8; the whole model's
+    weights."""
+    from pipedream_ft import CheckpointConfig, EveryNSteps, PipelineConfig, PipelineTrainer
+    from runtime_cases import data, mlp, plan_for, sgd
+
+    with torch.device("meta"):
+        model = mlp()
+    trainer = PipelineTrainer(model, plan_for(model, [[0, 1, 2, 3], [4, 5, 6, 7, 8]]),
+                              loss_fn=nn.functional.cross_entropy, optimizer_factory=sgd,
+                              checkpoint=CheckpointConfig(url=url, policy=EveryNSteps(8)),
+                              config=PipelineConfig(mode="flush", flush_every=4, timeout_s=120, summary=False))
+    trainer.fit(data, 8)
+    state = trainer.full_state_dict()
+    trainer.close()
+    return state

@@ -122,3 +122,17 @@ def test_a_module_without_an_initialisation_is_named() -> None:
         model = torch.nn.Sequential(torch.nn.Linear(3, 3), Scale())
     with pytest.raises(PipelineSetupError, match=r"no initialisation wrote 1\.gain"):
         materialize(model)
+
+
+def test_a_pipedream_checkpoint_initialises_a_meta_model(tmp_path) -> None:
+    from meta_cases import checkpoint_case
+    from runtime_cases import mlp
+
+    url = str(tmp_path / "ckpt")
+    trained = run_world(checkpoint_case, 2, url, timeout=240)[0][1]
+    with torch.device("meta"):
+        model = mlp()
+    materialize(model, init=FromFile(url))
+    assert sorted(model.state_dict()) == sorted(trained)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, trained[k]), k
