@@ -7,7 +7,7 @@
   (each shard opened on first use, tensor by tensor; never a whole shard into memory);
 * a ``torch.save`` state dict (any other file): ``torch.load(mmap=True, weights_only=True)``, so a tensor's
   bytes are read from disk only when it is copied out;
-* a pipedream-ft checkpoint directory (holding committed ``step-*`` checkpoints): its newest committed step's
+* a pipedream-ft checkpoint directory or URL (holding committed ``step-*`` checkpoints): its newest committed step's
   model parts, one part in memory at a time (each is looked into once to learn its keys: a checkpoint is
   read whole once, but never held whole).
 
@@ -144,6 +144,8 @@ class _Checkpoint(WeightsFile):
 def open_weights(path: str) -> WeightsFile:
     """A reader of the weights at ``path`` (module docstring). Raises :class:`PipelineSetupError` naming the
     path when it is none of those."""
+    if "://" in path and not path.startswith("file://"):  # remote storage (s3://, memory://): a checkpoint
+        return _Checkpoint(path)
     if os.path.isdir(path):
         index = os.path.join(path, INDEX)
         if os.path.exists(index):
