@@ -237,3 +237,26 @@ def checkpoint_case(url: str) -> dict[str, torch.Tensor]:
     state = trainer.full_state_dict()
     trainer.close()
     return state
+
+
+def resize_case(url: str, total: int) -> dict[str, Any]:
+    """One rank: the runtime tests' MLP built on meta (seeded per module, seed 0), from a 4-stage straight plan,
+    flush mode with Adam, checkpointing every 8 minibatches, resuming (and re-planning for this world size)
+    from ``url``; trained to ``total``."""
+    from pipedream_ft import CheckpointConfig, EveryNSteps, PipelineConfig, PipelineTrainer
+    from runtime_cases import adam, data, mlp, plan_for, timed_profile
+
+    with torch.device("meta"):
+        model = mlp()
+    plan = plan_for(model, [[0, 1], [2, 3], [4, 5], [6, 7, 8]], None,
+                    {"workers": [4], "bandwidth": [1e9], "straight": True})
+    trainer = PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=adam,
+                              profile=timed_profile(model),
+                              checkpoint=CheckpointConfig(url=url, policy=EveryNSteps(8), defer_when_behind=False),
+                              config=PipelineConfig(mode="flush", flush_every=4, timeout_s=120, summary=False))
+    resumed = trainer.resumed_from
+    result = trainer.fit(data, total)
+    state = trainer.full_state_dict()
+    stages = len(trainer.plan.stages)
+    trainer.close()
+    return {"state": state, "losses": result.losses, "resumed": resumed, "stages": stages}

@@ -8,7 +8,11 @@
   the same part of the whole.
 * From a file: a safetensors file, a sharded Hugging Face directory and a ``torch.save`` state dict each give
   every stage bitwise the file's tensors, reading only the stage's own (counted); the tied head's holder reads
-  the embedding's tensor; a file with a stray key stops every rank with the same one line naming it.
+  the embedding's tensor; a file with a stray key stops every rank with the same one line naming it; a file
+  lacking a tensor, and a module with no initialisation, are named in one line; a pipedream-ft checkpoint
+  directory initialises a meta model to the checkpointed weights.
+* Elastic: a meta-built job resized from 4 processes to 2 (re-planned, restored from its checkpoint) ends at the
+  weights of plain minibatch SGD from the seeded model.
 """
 
 from __future__ import annotations
@@ -136,3 +140,24 @@ def test_a_pipedream_checkpoint_initialises_a_meta_model(tmp_path) -> None:
     assert sorted(model.state_dict()) == sorted(trained)
     for k, v in model.state_dict().items():
         assert torch.equal(v, trained[k]), k
+
+
+def test_a_meta_built_job_resized_from_4_to_2_processes_is_minibatch_sgd(tmp_path) -> None:
+    """Each attempt builds on meta; the resized one re-plans and restores its new stages from the checkpoint (its
+    seeded initialisation is overwritten), ending at the weights of plain minibatch SGD from the seeded model."""
+    from meta_cases import resize_case
+    from pipedream_reference import minibatch_sgd_reference
+    from runtime_cases import adam, data, mlp
+
+    url = str(tmp_path / "ckpt")
+    first = run_world(resize_case, 4, url, 16, timeout=240)[0][1]
+    assert first["resumed"] is None and first["stages"] == 4
+    resized = run_world(resize_case, 2, url, 32, timeout=240)[0][1]
+    assert resized["resumed"] == 16 and resized["stages"] == 2
+    with torch.device("meta"):
+        model = mlp()
+    want, losses = minibatch_sgd_reference(materialize(model, seed=0), data, torch.nn.functional.cross_entropy,
+                                           adam, 32, 4)
+    for k, v in want.items():
+        assert (resized["state"][k] - v).abs().max() <= 1e-6, k
+    assert resized["losses"] == pytest.approx(losses[16:], abs=1e-6)
