@@ -97,9 +97,10 @@ class PipelineTrainer:
     ``torch.device("meta")``) costs nothing to build: only this rank's stage gets storage, with values from
     ``init`` (see :mod:`pipedream_ft.pipeline.materialize`: by default the model's own initialisation seeded per
     module from ``config.seed``; ``FromFile(path)`` reads only the stage's tensors from a weights file); ``init``
-    given with a real model re-initialises the stage the same way. The trainer builds its own process groups (it does not need ``torch.distributed``'s default
-    group); :meth:`close` releases them. Under a schedule that gives a process several stages (virtual stages),
-    the call returns a :class:`~pipedream_ft.virtual.VirtualTrainer` with the same methods.
+    given with a real model re-initialises the stage the same way. The trainer builds its own process groups (it
+    does not need ``torch.distributed``'s default group); :meth:`close` releases them. Under a schedule that gives
+    a process several stages (virtual stages), the call returns a :class:`~pipedream_ft.virtual.VirtualTrainer`
+    with the same methods.
     """
 
     def __new__(cls, model: Any, plan: Plan, *, config: PipelineConfig | None = None, env: DistEnv | None = None,

@@ -40,7 +40,8 @@ def test_meta_built_models_train_exactly_like_the_one_process_reference() -> Non
         assert got["losses"] == pytest.approx(want_losses, abs=1e-6), kind
         assert sorted(got["state"]) == sorted(want_state), kind
         for k, v in want_state.items():
-            assert (got["state"][k].float() - v.float()).abs().max() <= 1e-6, (kind, k, (got["state"][k].float() - v.float()).abs().max())
+            diff = (got["state"][k].float() - v.float()).abs().max()
+            assert diff <= 1e-6, (kind, k, diff)
 
 
 @pytest.mark.parametrize("kind", ["gpt", "gemma2"])

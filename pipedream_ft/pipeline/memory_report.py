@@ -14,9 +14,14 @@ activations, against its peak and the plan's prediction.
 * ``peak``: the process's peak resident memory (``VmHWM``, else ``ru_maxrss``) on the CPU, or
   ``torch.cuda.max_memory_allocated`` on a GPU; ``baseline``: its resident memory when the trainer started (the
   runtime and the interpreter, before any weight);
-* ``predicted``: the plan's per-worker memory for the stage, ``(S - s) · (P + A)`` (:func:`partitioner.cost.stage_memory`,
-  what ``pipedream-partition --memory`` bounds) from the profile's parameter and activation bytes (``None``
-  without a profile); ``limit``: the ``--memory`` the plan was made under (``None`` if none).
+* ``predicted``: the plan's per-worker memory for the stage, ``(S - s) · (P + A)``
+  (:func:`partitioner.cost.stage_memory`, what ``pipedream-partition --memory`` bounds) from the profile's
+  parameter and activation bytes (``None`` without a profile); ``limit``: the ``--memory`` the plan was made
+  under (``None`` if none).
+
+Not in the account: the gradients of one minibatch's backward while they are added into the accumulated ones (a
+second stage-sized set for a moment, in the synchronous modes), and the allocator's own slack; they show in
+``peak`` (see ``benchmarks/bench_memory.py``).
 """
 
 from __future__ import annotations
