@@ -22,6 +22,7 @@ from .launch import launch
 from .pipeline.comm import PeerTimeoutError, ShapeMismatchError
 from .pipeline.evaluate import EvalResult
 from .pipeline.hooks import Hooks
+from .pipeline.materialize import FromFile, SeededInit, materialize
 from .pipeline.precision import LossScale
 from .pipeline.compensation import Compensation
 from .pipeline.sources import Epochs
@@ -41,6 +42,7 @@ __all__ = [
     "EvalResult",
     "EveryNSteps",
     "EveryTSeconds",
+    "FromFile",
     "Hooks",
     "LossScale",
     "Never",
@@ -57,6 +59,7 @@ __all__ = [
     "RePlanPolicy",
     "PreemptionHandler",
     "RankStats",
+    "SeededInit",
     "ShapeMismatchError",
     "TrainResult",
     "YoungDaly",
@@ -64,6 +67,7 @@ __all__ = [
     "init_distributed",
     "launch",
     "load_plan",
+    "materialize",
     "read_env",
     "shutdown",
 ]

@@ -69,6 +69,8 @@ from .pipeline.precision import LossScale, LossScaler, autocast_context
 from .pipeline.record import TrainRecord
 from .pipeline.schedule import Action, receives_ahead
 from .pipeline.scheduler import SchedulerFactory, attach_scheduler
+from .pipeline.materialize import Init, has_meta, materialize_stage
+from .pipeline.memory_report import ActivationMeter, MemoryReport, memory_report, resident_bytes
 from .pipeline.stage import build_stage, executed_layers, model_layers
 from .pipeline.state import StageState
 from .pipeline.stepper import Stepper
@@ -92,9 +94,14 @@ class PipelineTrainer:
     changed re-plan; with checkpointing it is also stored beside the checkpoints, so later attempts can re-plan
     without it. A parameter used by layers of several stages (tied embeddings) is kept equal on all of them
     (see :mod:`pipedream_ft.pipeline.tied`); ``tied_parameters`` also ties groups of distinct parameters by
-    name (e.g. ``[["wte.weight", "lm_head.weight"]]``). The trainer builds its own process groups (it does not need ``torch.distributed``'s default
-    group); :meth:`close` releases them. Under a schedule that gives a process several stages (virtual stages),
-    the call returns a :class:`~pipedream_ft.virtual.VirtualTrainer` with the same methods.
+    name (e.g. ``[["wte.weight", "lm_head.weight"]]``). A model built on the ``meta`` device (under
+    ``torch.device("meta")``) costs nothing to build: only this rank's stage gets storage, with values from
+    ``init`` (see :mod:`pipedream_ft.pipeline.materialize`: by default the model's own initialisation seeded per
+    module from ``config.seed``; ``FromFile(path)`` reads only the stage's tensors from a weights file); ``init``
+    given with a real model re-initialises the stage the same way. The trainer builds its own process groups (it
+    does not need ``torch.distributed``'s default group); :meth:`close` releases them. Under a schedule that gives
+    a process several stages (virtual stages), the call returns a :class:`~pipedream_ft.virtual.VirtualTrainer`
+    with the same methods.
     """
 
     def __new__(cls, model: Any, plan: Plan, *, config: PipelineConfig | None = None, env: DistEnv | None = None,
@@ -123,11 +130,13 @@ class PipelineTrainer:
         scheduler_factory: SchedulerFactory | None = None,
         tied_parameters: Sequence[Sequence[str]] = (),
         turns: Turns | None = None,
+        init: Init | None = None,
     ) -> None:
         self.turns = turns
         """The turns this stage takes with the other stages of its process (virtual stages, see
         :mod:`pipedream_ft.virtual`); ``None``: the process runs this stage alone."""
         self.config = config = config or PipelineConfig()
+        self._baseline = resident_bytes()  # before any weight: the memory report's baseline
         self.timeline: dict[str, float] = {"start": time.time()}
         """Wall-clock times of this process's milestones: start, joined (its process groups built), restored,
         first_update; for a replacement process also joining and formed (in-place recovery)."""
@@ -171,7 +180,10 @@ class PipelineTrainer:
             timeout_s=config.timeout_s, replica_ranks=topo.stage_ranks,
             links=lambda: topo.links() + target_links(topo) + (self.state.tied.links() if self.state.tied else []))
         """This rank's one communication handle: every component talks through it; each epoch re-configures it."""
-        module = build_stage(ml, plan, topo.stage).to(self.device)
+        module = build_stage(ml, plan, topo.stage)
+        if init is not None or has_meta(model):  # only this stage's tensors get storage (and values)
+            materialize_stage(model, [module], init=init, seed=config.seed, also=[ml.root])
+        module = module.to(self.device)
         specs = find_tied(ml, executed_layers(ml, plan.layer_to_stage, plan.num_stages, plan.recompute))
         tied = None
         if any(topo.stage in spec.stages for spec in specs):
@@ -188,6 +200,8 @@ class PipelineTrainer:
         del ml, model
         self.state = StageState(module, optimizer_factory, stage=topo.stage, replica=topo.replica,
                                 keep=self.mode.versions_kept(topo), extra=extra_state, tied=tied)
+        self._meter = ActivationMeter(self._weight_tensors)
+        self._meter.attach(module)
         if tied is not None and scheduler_factory is not None:
             tied.attach_schedulers(scheduler_factory)
         scheduler = attach_scheduler(self.state, scheduler_factory, optimizer_factory)
@@ -215,6 +229,7 @@ class PipelineTrainer:
         if self.faults:
             self.hooks.add(self.faults)
         self._add_observers()
+        self.hooks.add(self._meter)
         self.record = TrainRecord(lambda: self.executor.losses)
         self.state.components["record"] = self.record  # a restored part brings its call's loss history back
         self.stepper = Stepper(self.state, topo=topo, synchronous=not self.mode.asynchronous,
@@ -586,9 +601,37 @@ class PipelineTrainer:
     # -- results --------------------------------------------------------------------------------------------
 
     def gather_stats(self) -> list[dict[str, Any]]:
-        """Every rank's :class:`RankStats` of the last :meth:`train` (as dicts, with its rank and stage), in rank
-        order, on every rank. A collective."""
-        return self.group.all_gather_object(self._stats_row())
+        """Every rank's :class:`RankStats` of the last :meth:`train` (as dicts, with its rank and stage, and under
+        ``"memory"`` its :meth:`memory_report` as a dict), in rank order, on every rank. A collective."""
+        return self.group.all_gather_object({**self._stats_row(), "memory": self.memory_report().as_dict()})
+
+    def _weight_tensors(self) -> list[torch.Tensor]:
+        """The weight versions this stage keeps (what a forward reads as weights besides its parameters)."""
+        versions = self.state.versions
+        tied = self.state.tied
+        kept = [versions.current, *versions.history.values()]
+        if tied:
+            kept += [v for g in tied.groups for v in (g.versions.current, *g.versions.history.values())]
+        return [t for v in kept for t in v.tensors]
+
+    def memory_report(self) -> MemoryReport:
+        """This process's memory: its stage's weights, gradients, optimizer state, weight versions and in-flight
+        activations against its peak and the plan's prediction (see :mod:`pipedream_ft.pipeline.memory_report`)."""
+        predicted = None
+        if self.profile is not None:
+            from partitioner.cost import stage_memory
+
+            layers = [self.profile.layers[i] for i in self.plan.stages[self.topo.stage].layers]
+            predicted = float(stage_memory(sum(layer.parameter_bytes for layer in layers),
+                                           sum(layer.activation_bytes for layer in layers),
+                                           self.plan.num_stages - self.topo.stage))
+        tied = self.state.tied
+        return memory_report(stage=self.topo.stage, module=self.state.module,
+                             optimizers=[self.state.optimizer, *(g.optimizer for g in (tied.groups if tied else []))],
+                             trainable=self.state.all_live_params,
+                             stash_bytes=self.executor.stats.peak_stash_bytes, meter=self._meter, device=self.device,
+                             baseline=self._baseline, predicted=predicted,
+                             limit=self.plan.settings.get("memory_bytes"))
 
     def _stats_row(self) -> dict[str, Any]:
         rank = self.turns.rank if self.turns is not None else self.env.rank  # a virtual stage's: its process's
@@ -611,17 +654,19 @@ class PipelineTrainer:
                         training_source=self._feed.source if self._feed is not None else None)
 
     def save_model(self, path: str, format: str = "torch") -> None:
-        """Gather the whole model's weights onto rank 0, which writes them to ``path`` as ``"torch"``
-        (``torch.save``) or ``"safetensors"``; the plain model's ``load_state_dict(strict=True)`` accepts the
-        file (see :mod:`pipedream_ft.pipeline.export`). A collective."""
-        save_model(self.messenger, self.state.module, replica=self.topo.replica, path=path, format=format)
+        """Write the whole model's weights to ``path`` as ``"safetensors"`` (each stage writes its own tensors into
+        the one file; no process holds more than its stage) or ``"torch"`` (``torch.save``, gathered onto rank 0);
+        the plain model's ``load_state_dict(strict=True)`` accepts the file (see
+        :mod:`pipedream_ft.pipeline.export`). A collective."""
+        save_model(self.messenger, self.state.module, replica=self.topo.replica, path=path, format=format,
+                   stage=self.topo.stage)
 
     def save_pretrained(self, directory: str, max_shard_bytes: int = 5 * 10**9) -> None:
-        """Write the whole model as a Hugging Face directory (config and safetensors shards) that
-        ``AutoModelForCausalLM.from_pretrained(directory)`` loads with no missing or unexpected keys (see
+        """Write the whole model as a Hugging Face directory (config and safetensors shards, each stage writing its
+        own) that ``AutoModelForCausalLM.from_pretrained(directory)`` loads with no missing or unexpected keys (see
         :func:`pipedream_ft.pipeline.export.save_pretrained`); for transformers models. A collective."""
         save_pretrained(self.messenger, self.state.module, replica=self.topo.replica, directory=directory,
-                        pretrained=self._pretrained, max_shard_bytes=max_shard_bytes)
+                        pretrained=self._pretrained, max_shard_bytes=max_shard_bytes, stage=self.topo.stage)
 
     def close(self) -> None:
         """Wait for pending checkpoint commits, stop the background threads, close the traces, and shut this

@@ -126,9 +126,9 @@ class CausalLMForPipeline(nn.Module):
         self.pipeline_family = family
         self.config = model.config
         """The HF model's config (what ``trainer.save_pretrained`` writes beside the weights)."""
-        self.pipeline_hf_class: type = type(model)
-        """The HF model's class: its ``_init_weights`` initialises a part materialised from meta
-        (:func:`profiler.materialize.init_function`)."""
+        self.pipeline_init_weights = model._init_weights
+        """The HF model's own initialisation of one module (how a model built on the meta device is initialised,
+        see :func:`profiler.materialize.init_function`)."""
         self.pipeline_tied_weights_keys: dict[str, str] = dict(getattr(model, "_tied_weights_keys", None) or {})
         layers = fetch_attr(self, family.layers)
         leaves = [type(layer) for layer in layers] + [type(fetch_attr(self, family.embed))]

@@ -57,15 +57,13 @@ def has_meta(model: nn.Module) -> bool:
 def init_function(model: nn.Module) -> InitFn | None:
     """The model's own initialiser of one module, if it has one.
 
-    A model wrapped by :func:`profiler.hf.for_pipeline` names its ``transformers`` class
-    (``pipeline_hf_class``): its ``_init_weights`` runs with the model's config. Any other model with a callable
-    ``_init_weights(module)`` (a ``transformers`` ``PreTrainedModel``, nanoGPT-style models) uses that; an
-    ``_init_weights()`` that takes no module is not one (``None``: each module's ``reset_parameters()`` alone)."""
-    cls = getattr(model, "pipeline_hf_class", None)
-    if isinstance(cls, type) and hasattr(cls, "_init_weights"):
-        shell = cls.__new__(cls)  # an instance for `self` (and `super()`) without building the model
-        shell.__dict__["config"] = model.config
-        return lambda module: cls._init_weights(shell, module)
+    A model wrapped by :func:`profiler.hf.for_pipeline` holds its ``transformers`` model's ``_init_weights``
+    (``pipeline_init_weights``). Any other model with a callable ``_init_weights(module)`` (a ``transformers``
+    ``PreTrainedModel``, nanoGPT-style models) uses that; an ``_init_weights()`` that takes no module is not one
+    (``None``: each module's ``reset_parameters()`` alone)."""
+    init = getattr(model, "pipeline_init_weights", None)
+    if callable(init):
+        return init
     init = getattr(model, "_init_weights", None)
     return init if callable(init) and _takes_one_argument(init) else None
 

@@ -75,12 +75,17 @@ class VersionStore:
         """Record the live weights (just updated), plus :attr:`offset` if set, as the next version."""
         old = self.current
         offset, self.offset = self.offset, None
+        if not self.keep:  # let the old version go before the new one is made (unless a minibatch still holds it)
+            updates = old.updates
+            del old, self.current
+            self.current = self._snapshot(updates + 1, offset)
+            self.predicted = offset is not None
+            return self.current
         self.current = self._snapshot(old.updates + 1, offset)
         self.predicted = offset is not None
-        if self.keep:
-            self.history[old.updates] = old
-            for k in [k for k in self.history if k < self.current.updates - self.keep]:
-                del self.history[k]
+        self.history[old.updates] = old
+        for k in [k for k in self.history if k < self.current.updates - self.keep]:
+            del self.history[k]
         return self.current
 
     def get(self, updates: int) -> Version:
