@@ -27,7 +27,7 @@ class PipelineError(RuntimeError):
 
     exit_code: ClassVar[int] = EXIT_RUNTIME
     """The status a process that stops on this error exits with; a subclass with :data:`EXIT_SETUP` is the same
-    on every rank, so only rank 0 reports it."""
+    on every rank, and every rank that gets there writes the same line (torchrun may stop the others first)."""
 
 
 class PipelineSetupError(PipelineError):
