@@ -198,9 +198,13 @@ class PoolService:
                 self.throughput.profiles[name] = Path(job["profile"])
             sizes = range(job["min_workers"], min(job["max_workers"], self.devices.count) + 1)
             curve = self.throughput.curve(name, sizes)
-            alloc = open_[job["id"]]["workers"] if job["id"] in open_ else 0
+            launch = open_.get(job["id"])
+            alloc = launch["workers"] if launch else 0
+            since = job["since"]
+            if launch is not None:  # a slice counts from the launch's first update, not from its start-up
+                since = launch["first_update"] or now
             out.append(JobView(name, job["submitted"], job["workers"], job["min_workers"], job["max_workers"],
-                               job["priority"], alloc, job["since"], job["attained"] + alloc * max(0.0, now - job["since"]),
+                               job["priority"], alloc, since, job["attained"] + alloc * max(0.0, now - since),
                                float(max(job["steps"] - job["progress"], 1)), float(job["steps"]),
                                job["started"] is not None, curve))
         return out
