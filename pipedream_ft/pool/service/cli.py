@@ -125,6 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.bind((args.host, args.port))
     except OSError as exc:
         raise PoolError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+    sock.listen(128)  # connections wait in the backlog until uvicorn serves them
     port = sock.getsockname()[1]
     url = f"http://{args.host}:{port}"
     info = state / SERVICE_FILE

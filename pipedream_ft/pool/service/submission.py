@@ -104,7 +104,9 @@ def checked(sub: Submission, devices: int, state_dir: Path) -> dict[str, Any]:
     try:
         load_profile(profile)
     except (ProfileError, OSError, ValueError) as exc:
-        raise PoolError(f"submission: profile {sub.profile}: {str(exc).splitlines()[0] if str(exc) else exc!r}") from None
+        text = str(exc.args[0] if exc.args else exc).splitlines()
+        raise PoolError(f"submission: profile {sub.profile} does not load: {text[0] if text else type(exc).__name__}"
+                        ) from None
     steps = sub.steps
     if steps is None:
         given = _flag(sub.argv, "--steps")
