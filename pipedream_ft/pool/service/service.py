@@ -129,14 +129,15 @@ class PoolService:
     def _collect(self, now: float) -> None:
         for launch in self.store.launches(open_only=True):
             h = self.handles.get(launch["id"])
-            if h is None and launch["pid"] is not None:
+            if h is None:  # started by an earlier service: found by its recorded pid, else its pid file
                 h = self.runner.attach(Path(launch["dir"]), launch["pid"], launch["proc_start"])
                 if h is not None:
                     self.handles[launch["id"]] = h
             if h is not None and h.alive():
                 continue
-            if h is None and launch["pid"] is None and now - launch["requested"] < 30:
-                continue  # being started by this service (the row is written first)
+            if (h is None and launch["pid"] is None and self.runner.read_pid(Path(launch["dir"])) is None
+                    and now - launch["requested"] < 30):
+                continue  # its launcher has not written its pid file yet
             self.handles.pop(launch["id"], None)
             self._ended(launch, self.runner.exit_status(Path(launch["dir"])), now)
 
