@@ -151,6 +151,8 @@ class PoolService:
             outcome, values = "stopped", dict(state="cancelled", finished=now, target=0)
         elif rc == 0 and (launch["stop"] is None or prog >= job["steps"]):
             outcome, values = "completed", dict(state="completed", finished=now, target=0)
+        elif launch["stop"] == "resize" and job["target"] > 0:
+            outcome, values = "stopped", dict(state="resizing")  # relaunched on the new size once it is free
         elif launch["stop"] in ("resize", "preempt"):
             outcome, values = "stopped", dict(state="queued")
         elif rc is None:
@@ -200,10 +202,19 @@ class PoolService:
             sizes = range(job["min_workers"], min(job["max_workers"], self.devices.count) + 1)
             curve = self.throughput.curve(name, sizes)
             launch = open_.get(job["id"])
-            alloc = launch["workers"] if launch else 0
+            # a job moving to a new size (stopping for a resize, or stopped and waiting to be relaunched) holds
+            # the size it is moving to: the policy sees its own last decision, not a job that left the pool
+            if launch is not None and launch["stop"] is None:
+                alloc = launch["workers"]
+            elif launch is not None:
+                alloc = job["target"] if launch["stop"] == "resize" else 0
+            else:
+                alloc = job["target"]
             since = job["since"]
-            if launch is not None:  # a slice counts from the launch's first update, not from its start-up
+            if launch is not None and launch["stop"] is None:  # a slice counts from the first update, not start-up
                 since = launch["first_update"] or now
+            elif alloc:
+                since = now
             out.append(JobView(name, job["submitted"], job["workers"], job["min_workers"], job["max_workers"],
                                job["priority"], alloc, since, job["attained"] + alloc * max(0.0, now - since),
                                float(max(job["steps"] - job["progress"], 1)), float(job["steps"]),
