@@ -35,6 +35,7 @@ from pool_service_fixtures import PROFILE, Serve, digits_plan, env, kill_jobs, w
 
 JOB = str(ROOT / "benchmarks" / "pool_sleep_job.py")
 FWD, BWD = 10.0, 20.0
+QUANTUM = 20.0
 # name, arrival s, kind, min, max, steps
 WORKLOAD = [("s1", 0, "sleep", 1, 4, 600), ("s2", 8, "sleep", 1, 2, 300), ("d1", 15, "digits", 1, 2, 800),
             ("s3", 30, "sleep", 1, 4, 400), ("d2", 45, "digits", 1, 2, 600), ("s4", 60, "sleep", 2, 2, 300)]
@@ -58,7 +59,7 @@ def body(files: Path, name: str, kind: str, lo: int, hi: int, steps: int, save: 
 def run_policy(policy: str, files: Path, work: Path) -> dict[str, Any]:
     state = work / policy / "pool"
     state.mkdir(parents=True)
-    pool = Serve(state, "cpu:4", "--policy", policy, "--round-s", "2", "--tick-s", "0.3", "--quantum", "20",
+    pool = Serve(state, "cpu:4", "--policy", policy, "--round-s", "2", "--tick-s", "0.3", "--quantum", str(QUANTUM),
                  "--resize-cost", "15").start()
     try:
         t0 = time.time()
@@ -116,8 +117,10 @@ def predict(policy: str, jobs: list[dict], resize_cost: float, floor: float, fil
         curves[name] = {n: r * scale for n, r in curve.items()}
         duration = steps / curves[name][hi] + floor
         sim_jobs.append(Job(name, j["submitted"] - first, kind, hi, duration, min_workers=lo, max_workers=hi))
+    # the service counts a round-robin slice from the job's first update, the simulator from the decision:
+    # the same slice there is the quantum plus the restart
     r = simulate(sim_jobs, curves, policy, devices=4, round_s=2.0, resize_cost=resize_cost,
-                 policy_options={"quantum": 20.0, "resize_cost": 15.0})
+                 policy_options={"quantum": QUANTUM + resize_cost, "resize_cost": 15.0})
     return {"makespan": r.makespan, "avg_turnaround": r.avg_jct, "resizes": r.resizes + r.preemptions}
 
 
