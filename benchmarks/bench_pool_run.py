@@ -163,8 +163,9 @@ def main() -> int:
         run = run_policy(policy, files, work)
         runs.append(run)
         a = analyse(run)
-        totals = [p["total"] for p in a["resize_parts"]]
-        cost = statistics.median(totals) if totals else (a["restart_floor"] or 15.0)
+        # a resize's cost to the job is its stop and its restart; waiting for devices is the policy's doing
+        costs = [p["stop"] + p["restart"] for p in a["resize_parts"]]
+        cost = statistics.median(costs) if costs else (a["restart_floor"] or 15.0)
         a["predicted"] = predict(policy, run["jobs"], cost, a["restart_floor"] or 0.0, files)
         a["resize_cost"] = cost
         rows.append(a)
@@ -181,7 +182,7 @@ def main() -> int:
         print(f"weights: {w['job']} under {w['policy']} on sizes {w['sizes']} vs uninterrupted: max |diff| "
               f"{w['max_abs_diff']:.2e}", flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"policies": rows, "weights": w}, indent=1, default=str))
+        args.json.write_text(json.dumps({"policies": rows, "weights": w, "runs": runs}, indent=1, default=str))
     return 0
 
 
