@@ -128,8 +128,11 @@ def weights_check(files: Path, work: Path, policy_runs: list[dict]) -> dict[str,
     """A resized sleep job's final weights against the same job run uninterrupted on torchrun."""
     import torch
 
-    for run in policy_runs:
-        for j in run["jobs"]:
+    candidates = [(run, j) for run in policy_runs for j in run["jobs"]]
+    # a job whose size changed first, then one preempted and resumed
+    candidates.sort(key=lambda rj: len({l["workers"] for l in rj[1]["launches"]}) < 2)
+    for run, j in candidates:
+        if True:
             spec = next(w for w in WORKLOAD if w[0] == j["name"])
             saved = files / f"{run['policy']}-{j['name']}.pt"
             if spec[2] != "sleep" or len(j["launches"]) < 2 or not saved.exists():
