@@ -47,7 +47,7 @@ def body(files: Path, name: str, kind: str, lo: int, hi: int, steps: int, save: 
                 "--backward-ms", str(BWD)]
         profile = files / "sleep.prof.json"
     else:
-        argv = ["-m", "examples.train_digits", "--plan", str(files / f"digits-{hi}.plan.json"), "--steps",
+        argv = ["-m", "pipedream_ft_examples.train_digits", "--plan", str(files / f"digits-{hi}.plan.json"), "--steps",
                 str(steps), "--mode", "flush", "--ckpt-every", "20"]
         profile = PROFILE
     if save is not None:

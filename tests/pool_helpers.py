@@ -8,7 +8,7 @@ from typing import Mapping
 
 from pipedream_ft.pool.job import JobView
 
-__all__ = ["view", "linear", "write_chain_profile", "write_workload", "shared_profile_dir"]
+__all__ = ["view", "linear", "write_chain_profile", "write_workload"]
 
 
 def linear(lo: int, hi: int, per: float = 1.0) -> dict[int, float]:
@@ -41,13 +41,3 @@ def write_chain_profile(path: Path, layers: int = 6, ms: float = 10.0) -> Path:
 def write_workload(path: Path, rows: list[str], header: str = "name,time,model,workers,duration") -> Path:
     path.write_text(header + "\n" + "\n".join(rows) + "\n")
     return path
-
-
-def shared_profile_dir() -> Path | None:
-    """PipeDream's reference profiles (``shared/profiles`` beside the checkout or its parent), if present."""
-    here = Path(__file__).resolve()
-    for base in (here.parents[2], here.parents[3]):
-        d = base / "shared" / "profiles"
-        if (d / "resnet18.graph.txt").exists():
-            return d
-    return None

@@ -20,7 +20,7 @@ K8S_VERSION = "1.33.0"
 
 
 def _spec(name="digits", **kw):
-    d = dict(name=name, image="registry/pipedream-ft:1.0", command=("-m", "examples.train_digits", "--plan", "p.json"),
+    d = dict(name=name, image="registry/pipedream-ft:1.0", command=("-m", "pipedream_ft_examples.train_digits", "--plan", "p.json"),
              min_workers=1, max_workers=4, steps=400, profile="digits", checkpoint_url=f"s3://bucket/{name}")
     return K8sJobSpec(**{**d, **kw})
 

@@ -8,7 +8,7 @@ from partitioner.optimizer import partition
 from pipedream_ft.pool import PlanSettings, PoolError, ThroughputModel
 from profiler.profile import load_profile
 
-from pool_helpers import shared_profile_dir, write_chain_profile
+from pool_helpers import write_chain_profile
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,11 +52,8 @@ def test_bad_settings_and_models_are_refused() -> None:
         ThroughputModel({}).rate("x", 1)
 
 
-def test_a_real_pipedream_profile_scales_and_plans_fast(tmp_path) -> None:
-    d = shared_profile_dir()
-    if d is None:
-        pytest.skip("PipeDream's reference profiles are not beside this checkout")
-    tm = ThroughputModel({"resnet18": d / "resnet18.graph.txt"}, PlanSettings(), tmp_path)
+def test_a_real_pipedream_profile_scales_and_plans_fast(tmp_path, shared_profiles) -> None:
+    tm = ThroughputModel({"resnet18": shared_profiles / "resnet18.graph.txt"}, PlanSettings(), tmp_path)
     c = tm.curve("resnet18", [1, 2, 4, 8])
     assert c[1] < c[2] < c[4] < c[8]
 

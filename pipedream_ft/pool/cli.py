@@ -28,6 +28,7 @@ from profiler.cliutil import CliError, OneLineParser, number, run_cli, write_ato
 from .errors import PoolError
 from .job import Job
 from .policy import POLICIES
+from .service.cli import add_subcommands
 from .simulator import PolicyResult, job_sizes, simulate
 from .throughput import PlanSettings, ThroughputModel, default_cache_dir
 from .workload import find_profiles, read_workload
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cache", type=Path, default=None, help="throughput cache folder")
     s.add_argument("--json", type=Path, default=None)
     s.add_argument("--plot", type=Path, default=None, help="folder for the Gantt and JCT-CDF PNGs")
+    add_subcommands(sub)  # serve, submit, list, status, logs, cancel, policy, render-k8s
     return ap
 
 
@@ -143,9 +145,10 @@ def _run(argv: list[str] | None) -> int:
     try:
         if a.command == "simulate":
             return _simulate(a)
+        code: int = a.func(a)  # the service's commands (pipedream_ft.pool.service.cli)
+        return code
     except PoolError as exc:
-        raise CliError(str(exc)) from None
-    raise CliError(f"unknown command {a.command!r}")
+        raise CliError(str(exc) if a.command == "simulate" else f"{a.command}: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -161,7 +161,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv:
-        raise PoolError("submit: give the job's command after --, e.g. -- -m examples.train_digits --plan P.json")
+        raise PoolError("submit: give the job's command after --, e.g. -- -m pipedream_ft_examples.train_digits --plan P.json")
     body = {"name": args.name, "min_workers": args.min_workers, "max_workers": args.max_workers,
             "workers": args.workers, "profile": str(Path(args.profile).resolve()), "priority": args.priority,
             "steps": args.steps, "max_retries": args.max_retries, "argv": argv, "cwd": os.getcwd()}
