@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ INDEX = "model.safetensors.index.json"
 """The index of a sharded Hugging Face directory: ``{"weight_map": {key: shard file}}``."""
 
 
-class WeightsFile:
+class WeightsFile(ABC):
     """The tensors of one weights file (or directory), read one at a time (module docstring)."""
 
     path: str
@@ -42,17 +43,18 @@ class WeightsFile:
         self.path = path
         self.reads = 0
 
+    @abstractmethod
     def keys(self) -> list[str]:
         """Every tensor name the file holds."""
-        raise NotImplementedError
 
     def read(self, key: str) -> torch.Tensor:
         """The tensor ``key`` (a CPU tensor owning its memory)."""
         self.reads += 1
         return self._read(key)
 
+    @abstractmethod
     def _read(self, key: str) -> torch.Tensor:
-        raise NotImplementedError
+        """Read ``key`` from the file (:meth:`read` counts it)."""
 
     def close(self) -> None:
         """Let go of open files."""
