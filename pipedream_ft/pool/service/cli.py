@@ -1,7 +1,7 @@
 """``pipedream-pool serve | submit | list | status | logs | cancel | policy | render-k8s``.
 
-:func:`add_subcommands` adds them to a parser's subparsers; :func:`main` runs them alone (``python -m
-pipedream_ft.pool.service``). Errors are one line and exit status 2.
+:func:`add_subcommands` adds them to ``pipedream-pool``'s subparsers (:mod:`pipedream_ft.pool.cli`, which also
+runs as ``python -m pipedream_ft.pool.service``). Errors are one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -11,13 +11,12 @@ import json
 import os
 import sys
 import threading
-import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ..errors import PoolError
 
-__all__ = ["add_subcommands", "main", "default_state_dir"]
+__all__ = ["add_subcommands", "default_state_dir"]
 
 
 def default_state_dir() -> Path:
@@ -240,18 +239,3 @@ def cmd_render_k8s(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text)
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pipedream-pool")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_subcommands(sub)
-    args = parser.parse_args(argv)
-    func: Callable[[argparse.Namespace], int] = args.func
-    try:
-        return func(args)
-    except PoolError as exc:
-        print(f"pipedream-pool {args.command}: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
