@@ -67,7 +67,8 @@ from .pipeline.hooks import HookList, Hooks
 from .pipeline.modes import MODES, Mode, make_mode
 from .pipeline.precision import LossScale, LossScaler, autocast_context
 from .pipeline.record import TrainRecord
-from .pipeline.schedule import Action, receives_ahead
+from .pipeline.schedule import Action
+from .schedules.actions import COMMUNICATION
 from .pipeline.scheduler import SchedulerFactory, attach_scheduler
 from .pipeline.materialize import Init, has_meta, materialize_stage
 from .pipeline.memory_report import ActivationMeter, MemoryReport, memory_report, resident_bytes
@@ -522,14 +523,14 @@ class PipelineTrainer:
             if not ex.preflight_done:
                 feed.prepare(self.position)
                 ex.preflight(feed)
-            actions = self.schedule(self.position, stop)
+            actions = self.mode.lowered(self.topo, self.position, stop)
             if turns is not None:
                 turns.begin(self.topo.stage, self.position, stop)
-            for action, ahead in zip(actions, receives_ahead(actions)):
-                for b in ahead:
-                    ex.post_activation_recv(b)
+            for action in actions:
                 self.hooks.on_action(action)
-                with turns.turn(action) if turns is not None else contextlib.nullcontext():
+                # a send or a receive only posts its message: it takes no turn (virtual stages)
+                with turns.turn(action) if turns is not None and action.kind not in COMMUNICATION \
+                        else contextlib.nullcontext():
                     ex.run(action, feed)
                 if self.ckpt is not None:
                     self.ckpt.announce_preemption()

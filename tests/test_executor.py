@@ -25,6 +25,9 @@ class _Recorder:
         ex.backward_input = lambda b: self.calls.append(f"I{b}")  # type: ignore[method-assign]
         ex.backward_weight = lambda b: self.calls.append(f"W{b}")  # type: ignore[method-assign]
         ex.update = lambda j: self.calls.append(f"U{j}")  # type: ignore[method-assign]
+        for kind, name in (("RECV_F", "post_activation_recv"), ("SEND_F", "send_activations"),
+                           ("RECV_B", "post_gradient_recv"), ("SEND_B", "send_input_grads")):
+            setattr(ex, name, lambda b, kind=kind: self.calls.append(f"{kind}{b}"))
 
 
 def _executor(stage: int) -> Executor:
@@ -49,8 +52,19 @@ def test_an_action_of_another_stage_is_refused_with_its_name() -> None:
     assert rec.calls == []
 
 
-@pytest.mark.parametrize("text", ["2SEND_F0", "2RECV_B1"])
-def test_a_communication_action_is_refused(text: str) -> None:
+def test_the_sends_and_receives_of_the_lowered_list_are_actions_of_their_own() -> None:
     ex = _executor(2)
-    with pytest.raises(PipelineSetupError, match=f"action {text}: the executor runs F, B, I, W and U"):
+    rec = _Recorder(ex)
+    for text in "2RECV_F0 2F0 2SEND_F0 2RECV_B0 2B0 2SEND_B0".split():
+        ex.run(parse_action(text), "feed")  # type: ignore[arg-type]
+    assert rec.calls == ["RECV_F0", "F0:feed", "SEND_F0", "RECV_B0", "B0", "SEND_B0"]
+
+
+@pytest.mark.parametrize("text, says", [("2SEND_F3", "SEND_F of minibatch 3 comes before anything to send or receive "
+                                                     r"\(its forward did not run\)"),
+                                        ("2SEND_B3", r"SEND_B of minibatch 3 .*\(its backward did not run\)"),
+                                        ("2RECV_B3", r"RECV_B of minibatch 3 .*\(its forward did not run\)")])
+def test_a_send_or_receive_out_of_order_is_refused_naming_it(text: str, says: str) -> None:
+    ex = _executor(2)
+    with pytest.raises(PipelineSetupError, match=f"stage 2: {says}: the lowered schedule is out of order"):
         ex.run(parse_action(text), None)  # type: ignore[arg-type]

@@ -35,7 +35,7 @@ class Watchdog:
         self.timeout_s = timeout_s
         self.rank = rank
         self._on_timeout = on_timeout or self._exit
-        self._what = "starting"
+        self._what: str | Action = "starting"
         self._last = time.monotonic()
         self._armed = False
         self.health_file = health_file
@@ -45,16 +45,23 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="pipedream-ft-watchdog", daemon=True)
         self._thread.start()
 
-    def beat(self, what: str) -> None:
+    def beat(self, what: str | Action) -> None:
+        """Progress: the rank is now ``what`` (an action: running it; words are made only when they are read)."""
         self._what = what
         self._last = time.monotonic()
         if self.health_file is not None and self._last - self._touched > 1.0:
             self._touched = self._last
             try:
                 with open(self.health_file, "w") as f:
-                    f.write(f"{time.time():.0f} {what}\n")
+                    f.write(f"{time.time():.0f} {self.doing}\n")
             except OSError:
                 pass
+
+    @property
+    def doing(self) -> str:
+        """What the rank was last doing, in words."""
+        what = self._what
+        return what if isinstance(what, str) else f"running {what} on stage {what.stage}"
 
     def arm(self) -> None:
         self._last = time.monotonic()
@@ -71,7 +78,7 @@ class Watchdog:
         while not self._stop.wait(period):
             if self._armed and time.monotonic() - self._last > self.timeout_s:
                 self._armed = False
-                self._on_timeout(f"no progress for {self.timeout_s:g}s while {self._what}")
+                self._on_timeout(f"no progress for {self.timeout_s:g}s while {self.doing}")
 
     def _exit(self, message: str) -> None:
         say(f"pipedream-ft: rank {self.rank}: watchdog: {message}; exiting so the group restarts")
@@ -89,7 +96,7 @@ class WatchdogHook(Hooks):
         self.watchdog.arm()
 
     def on_action(self, action: Action) -> None:
-        self.watchdog.beat(f"running {action} on stage {self.stage}")
+        self.watchdog.beat(action)
 
     def on_event(self, name: str, **args: Any) -> None:
         if name == "draining":

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from ..pipeline.executor import RankStats
 from ..pipeline.hooks import Hooks
+from ..schedules.actions import COMMUNICATION, Action
 from .metrics import MetricsWriter
 from .timeline import TimelineRecorder
 
@@ -25,6 +26,11 @@ class TimelineHook(Hooks):
     def __init__(self, recorder: TimelineRecorder, replica: int) -> None:
         self.recorder = recorder
         self.replica = replica
+
+    def on_action(self, action: Action) -> None:
+        if action.kind in COMMUNICATION:  # compute and updates are recorded with their times, when they end
+            self.recorder.instant(f"{action.kind.value}{action.index}", "message", stage=action.stage,
+                                  minibatch=action.index)
 
     def on_forward(self, minibatch: int, start: float, end: float) -> None:
         self.recorder.complete(f"F{minibatch}", "forward", start, end, minibatch=minibatch, replica=self.replica)

@@ -15,7 +15,8 @@ name           cat        args
 ``W{b}``       weight     minibatch, stage, replica, attempt (a split backward's weight half)
 ``U{j}``       update     round, stage, replica, attempt
 ``recv``       wait       minibatch, what ("activation" / "gradient"), peer
-``send``       send       minibatch, what, peer  (posting the non-blocking send)
+``SEND_F{b}``  message    instant as the lowered schedule's send or receive is posted (also ``RECV_F``,
+                         ``SEND_B``, ``RECV_B``); minibatch, stage
 ``checkpoint`` checkpoint cut, snapshot_s
 ``start``      restart    instant (``ph: "i"``) at the start of every attempt; args attempt, resumed_from
 =============  =========  ==============================================================

@@ -96,6 +96,12 @@ class _InFlight:
     header: Header
 
 
+_RUNS = {Kind.B: "backward", Kind.I: "backward_input", Kind.W: "backward_weight", Kind.U: "update",
+         Kind.RECV_F: "post_activation_recv", Kind.SEND_F: "send_activations", Kind.RECV_B: "post_gradient_recv",
+         Kind.SEND_B: "send_input_grads"}
+"""The method that runs each action kind besides ``F`` (which also reads the feed)."""
+
+
 def mix_seed(seed: int, stage: int, minibatch: int) -> int:
     """The RNG seed of ``minibatch``'s forward on ``stage``: reproducible across restarts."""
     x = (seed * 1_000_003 + stage) * 1_000_000_007 + minibatch
@@ -160,6 +166,8 @@ class Executor:
         self._weight_jobs: dict[int, tuple[WeightBackward | None, list[torch.Tensor]]] = {}
         """Minibatches whose ``I`` ran and whose ``W`` has not."""
         self._act_recv: dict[int, RecvHandle] = {}
+        self._grads_out: dict[int, list[torch.Tensor]] = {}
+        """Input gradients computed and not yet sent (``B``/``I`` ran, ``SEND_B`` has not)."""
         self._generator = torch.cuda.default_generators[self.device.index or 0] if self.device.type == "cuda" \
             else torch.default_generator
         self.step: Callable[[], None] = step if step is not None else self._step
@@ -261,26 +269,51 @@ class Executor:
     # -- actions ------------------------------------------------------------------------------------------
 
     def run(self, action: Action, data: Feed) -> None:
-        """Run one compute or update action of this stage (see the module docstring); an action of another stage,
-        or a communication action (sends and receives are implied by ``F``/``B``/``I`` here), is refused with
+        """Run one action of this stage's lowered list (see the module docstring): compute, update, or one of the
+        sends and receives that connect it to its neighbours. An action of another stage is refused with
         :class:`PipelineSetupError` naming it."""
         if action.stage != self.topo.stage:
             raise PipelineSetupError(f"action {action} is for stage {action.stage}, but rank {self.topo.rank} "
                                      f"runs stage {self.topo.stage}")
         kind = action.kind
-        if kind == Kind.F:
+        if kind is Kind.F:
             self.forward(action.index, data)
-        elif kind == Kind.B:
-            self.backward(action.index)
-        elif kind == Kind.I:
-            self.backward_input(action.index)
-        elif kind == Kind.W:
-            self.backward_weight(action.index)
-        elif kind == Kind.U:
-            self.update(action.index)
         else:
-            raise PipelineSetupError(f"action {action}: the executor runs F, B, I, W and U; the sends and receives "
-                                     "of a stage are implied by its compute actions")
+            getattr(self, _RUNS[kind])(action.index)
+
+    def send_activations(self, b: int) -> None:
+        """``SEND_F b``: send minibatch ``b``'s outputs (and its header) to the next stage."""
+        rec = self._inflight.get(b)
+        if rec is None:
+            self._unmatched(b, "SEND_F", "its forward did not run")
+            return
+        self.messenger.send_activations(self.topo.peer(self.topo.stage + 1, b), rec.header, rec.outputs)
+
+    def post_gradient_recv(self, b: int) -> None:
+        """``RECV_B b``: post the receive of the gradient of minibatch ``b``'s outputs (ahead of its backward)."""
+        rec = self._inflight.get(b)
+        if rec is None:
+            self._unmatched(b, "RECV_B", "its forward did not run")
+            return
+        specs = [TensorSpec.of(t) for t in rec.outputs if t.is_floating_point()]
+        rec.grad_recv = self.messenger.post_gradients(self.topo.peer(self.topo.stage + 1, b), b, specs)
+
+    def send_input_grads(self, b: int) -> None:
+        """``SEND_B b``: send the gradient of minibatch ``b``'s inputs, computed by its ``B`` or ``I``, to the
+        previous stage."""
+        grads = self._grads_out.pop(b, None)
+        if grads is None:
+            self._unmatched(b, "SEND_B", "its backward did not run")
+            return
+        self.messenger.send_gradients(self.topo.peer(self.topo.stage - 1, b), b, grads)
+
+    def _unmatched(self, b: int, what: str, why: str) -> None:
+        """A send or receive of a minibatch this attempt does not run (after the cut the job stops at) is
+        skipped; any other is a lowering error."""
+        if self.stop_at is not None and b >= self.stop_at:
+            return
+        raise PipelineSetupError(f"stage {self.topo.stage}: {what} of minibatch {b} comes before anything to "
+                                 f"send or receive ({why}): the lowered schedule is out of order")
 
     def post_activation_recv(self, b: int) -> None:
         """Post the receive of minibatch ``b``'s activations (ahead of its forward)."""
@@ -311,8 +344,10 @@ class Executor:
             tag = self.mode.version_for(topo, state.versions, b, 0).updates
             header = Header(b, tag, flags)
         else:
-            self.post_activation_recv(b)
-            handle = self._act_recv.pop(b)
+            handle = self._act_recv.pop(b, None)
+            if handle is None:
+                raise PipelineSetupError(f"stage {topo.stage}: the forward of minibatch {b} runs before its RECV_F: "
+                                         "the lowered schedule is out of order")
             header, leaves = handle.wait()
             self._waited(handle, "activation")
             assert header is not None and self._in_structure is not None
@@ -338,7 +373,6 @@ class Executor:
             gen.set_state(saved)  # the caller's RNG stream is left as it was
         loss = None
         outputs: list[torch.Tensor] = []
-        grad_recv = None
         if topo.is_last:
             targets = self._to_device(data.targets(b))
             with self.autocast():
@@ -352,11 +386,7 @@ class Executor:
             assert self._out_structure is not None
             if structure != self._out_structure:
                 self._out_structure.check(structure, state.module.output_names, b)
-            peer = topo.peer(topo.stage + 1, b)
-            self.messenger.send_activations(peer, header, outputs)
-            specs = [TensorSpec.of(t) for t in outputs if t.is_floating_point()]
-            grad_recv = self.messenger.post_gradients(peer, b, specs)
-        self._inflight[b] = _InFlight(version, tied_versions, leaves, outputs, loss, grad_recv, header)
+        self._inflight[b] = _InFlight(version, tied_versions, leaves, outputs, loss, None, header)
         self.stats.forward_s += time.perf_counter() - t0
         self.hooks.on_forward(b, w0, time.time())
         self._note_stash()
@@ -420,7 +450,9 @@ class Executor:
         if self.topo.is_last:
             assert rec.loss is not None
             return [rec.loss], [None]
-        assert rec.grad_recv is not None
+        if rec.grad_recv is None:
+            raise PipelineSetupError(f"stage {self.topo.stage}: the backward of minibatch {rec.header.minibatch} "
+                                     "runs before its RECV_B: the lowered schedule is out of order")
         _, received = rec.grad_recv.wait()
         self._waited(rec.grad_recv, "gradient")
         floats = [t for t in rec.outputs if t.is_floating_point()]
@@ -454,9 +486,9 @@ class Executor:
                 p.grad.add_(g)
 
     def _send_input_grads(self, b: int, wrt_inputs: list[torch.Tensor], got: Sequence[torch.Tensor | None]) -> None:
+        """Keep the input gradients of ``b`` for its ``SEND_B``."""
         if not self.topo.is_first:
-            in_grads = [g if g is not None else torch.zeros_like(t) for t, g in zip(wrt_inputs, got)]
-            self.messenger.send_gradients(self.topo.peer(self.topo.stage - 1, b), b, in_grads)
+            self._grads_out[b] = [g if g is not None else torch.zeros_like(t) for t, g in zip(wrt_inputs, got)]
 
     def update(self, round_: int) -> None:
         topo, state = self.topo, self.state
@@ -523,6 +555,7 @@ class Executor:
         self._inflight.clear()
         self._weight_jobs.clear()
         self._act_recv.clear()
+        self._grads_out.clear()
         self.cuts.clear()
         self.state.drop_gradients()  # of a backward whose update will never come
         self.stop_at = None

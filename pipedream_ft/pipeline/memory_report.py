@@ -109,7 +109,11 @@ class ActivationMeter(Hooks):
     """The bytes each forward of ``module`` saves for its backward, and the peak of their sum over the minibatches
     in flight (forwarded, not yet backwarded). Attach with :meth:`attach`; add to the trainer's hooks.
     ``weights()`` gives the tensors a forward may read as weights (parameters, weight versions): saved, they are
-    not activations."""
+    not activations.
+
+    Minibatches have one shape (the messenger refuses another), so a forward saves the same bytes every time: the
+    first forward of each :meth:`~pipedream_ft.PipelineTrainer.train` call is measured, through saved-tensor hooks,
+    and the others are counted at that size, with no hook on their way."""
 
     def __init__(self, weights: Callable[[], Iterable[torch.Tensor]] = lambda: ()) -> None:
         self.weights = weights
@@ -119,6 +123,10 @@ class ActivationMeter(Hooks):
         self.live: dict[int, int] = {}
         self.peak = 0
         self.peak_in_flight = 0
+        self._measure = True
+        """Whether the next forward is measured (the first of a run); else it counts :attr:`per_forward`."""
+        self.per_forward = 0
+        """Bytes one forward saves, as measured last."""
 
     def attach(self, module: nn.Module) -> None:
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -128,6 +136,8 @@ class ActivationMeter(Hooks):
 
         def pre(_module: nn.Module, _args: Any) -> None:
             self._pending = 0
+            if not self._measure:
+                return
             self._skip = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *self.weights()]}
             self._counting = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
             self._counting.__enter__()
@@ -141,9 +151,12 @@ class ActivationMeter(Hooks):
         module.register_forward_hook(post)
 
     def on_forward(self, minibatch: int, start: float, end: float) -> None:
-        if self._pending:
-            self.live[minibatch] = self._pending
-            self._pending = 0
+        if self._measure:
+            if not self._pending:
+                return  # the forward saved nothing for a backward (no gradients): measure the next
+            self.per_forward, self._pending, self._measure = self._pending, 0, False
+        if self.per_forward:
+            self.live[minibatch] = self.per_forward
             self.peak = max(self.peak, sum(self.live.values()))
             self.peak_in_flight = max(self.peak_in_flight, len(self.live))
 
@@ -152,6 +165,7 @@ class ActivationMeter(Hooks):
 
     def on_train_start(self, start: int, stop: int) -> None:
         self.live.clear()
+        self._measure = True
 
 
 def memory_report(*, stage: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer | None],

@@ -25,6 +25,8 @@ from typing import ClassVar
 
 from partitioner.plan import PlanError
 
+from ..schedules.comms import add_communication
+from ..schedules.placement import Replicated
 from ..schedules.window import ScheduleSpec, WindowSchedule, resolve_schedule
 from .schedule import SYNCHRONOUS, Action, double_buffered, in_flight, one_f_one_b, synchronous
 from .topology import Topology
@@ -55,6 +57,16 @@ class Mode(ABC):
     @abstractmethod
     def schedule(self, topo: Topology, start: int, stop: int) -> list[Action]:
         """This rank's actions for minibatches ``[start, stop)``."""
+
+    def lowered(self, topo: Topology, start: int, stop: int) -> list[Action]:
+        """This rank's actions for minibatches ``[start, stop)`` with the sends and receives that connect them to
+        its neighbours' (:func:`~pipedream_ft.schedules.add_communication` over every rank's :meth:`schedule`):
+        the list the executor runs, in order. A receive is posted where the list has it — ahead of the compute
+        that waits for it."""
+        plan = topo.plan
+        every = {r: self.schedule(topo if r == topo.rank else Topology.of(plan, r), start, stop)
+                 for r in range(plan.world_size)}
+        return add_communication(every, Replicated.of([s.ranks for s in plan.stages]))[topo.rank]
 
     def window(self, topo: Topology) -> int:
         """Runs of minibatches (and checkpoint cuts) must start and end on multiples of this."""

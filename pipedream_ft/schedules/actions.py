@@ -74,6 +74,16 @@ class Action:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"action {name} must be an integer >= 0, got {value!r}")
 
+    @staticmethod
+    def trusted(stage: int, kind: Kind, index: int) -> "Action":
+        """The action of values known to be valid (a pass deriving it from a checked one), made without checking
+        them again: the generators and passes make thousands."""
+        action = object.__new__(Action)
+        object.__setattr__(action, "stage", stage)
+        object.__setattr__(action, "kind", kind)
+        object.__setattr__(action, "index", index)
+        return action
+
     def __str__(self) -> str:
         return f"{self.stage}{self.kind.value}{self.index}"
 

@@ -6,58 +6,76 @@ receives it (``s+1RECV_Fm``); after ``B``/``I`` of stage ``s`` the gradient goes
 one action each, and a receive is placed on the receiving rank when its send is placed, so every receive is
 posted in the order its sends happen: no rank waits on a message that is sent after one it needs later.
 This is ``torch.distributed.pipelining``'s lowering (``_add_send_recv``), and gives the same lists.
+
+A plan with replicated stages (PipeDream's data-parallel stages) places a *minibatch* rather than a stage:
+:class:`~pipedream_ft.schedules.placement.Replicated` runs minibatch ``m`` of stage ``s`` on one of the stage's
+ranks, and a message goes to the replica of the neighbouring stage that runs ``m``.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Mapping
-
 from .actions import BACKWARD, COMMUNICATION, Action, Kind, Schedule
 from .errors import ScheduleError
-from .placement import stage_to_rank
+from .placement import PlacementLike, Replicated, as_replicated, stage_to_rank
 
 __all__ = ["add_communication", "messages_of"]
 
 
-def messages_of(action: Action, placement: Mapping[int, int]) -> tuple[Action, Action] | None:
+def messages_of(action: Action, placement: PlacementLike) -> tuple[Action, Action] | None:
     """The (send, receive) that ``action``'s output needs, or None if its consumer is on the same rank."""
+    where = as_replicated(placement)
+    return _messages(action, where)
+
+
+def _messages(action: Action, where: Replicated) -> tuple[Action, Action] | None:
     s, m = action.stage, action.index
-    if action.kind == Kind.F and s + 1 in placement and placement[s + 1] != placement[s]:
-        return Action(s, Kind.SEND_F, m), Action(s + 1, Kind.RECV_F, m)
-    if action.kind in BACKWARD and s > 0 and placement[s - 1] != placement[s]:
-        return Action(s, Kind.SEND_B, m), Action(s - 1, Kind.RECV_B, m)
+    if action.kind is Kind.F and s + 1 < where.num_stages and where.rank(s + 1, m) != where.rank(s, m):
+        return Action.trusted(s, Kind.SEND_F, m), Action.trusted(s + 1, Kind.RECV_F, m)
+    if action.kind in BACKWARD and s > 0 and where.rank(s - 1, m) != where.rank(s, m):
+        return Action.trusted(s, Kind.SEND_B, m), Action.trusted(s - 1, Kind.RECV_B, m)
     return None
 
 
-def add_communication(schedule: Schedule, placement: Mapping[int, int] | None = None) -> dict[int, list[Action]]:
+def add_communication(schedule: Schedule, placement: PlacementLike | None = None) -> dict[int, list[Action]]:
     """``schedule`` (compute and update actions; idle slots are dropped) with its sends and receives added.
 
-    ``placement`` maps stage -> rank (default: read from the schedule). Raises :class:`ScheduleError`
-    naming the blocked actions if the compute order cannot run (a rank needs an input that no order of the
-    others produces first), or if the schedule already has communication.
+    ``placement`` maps stage -> rank (default: read from the schedule), or is a
+    :class:`~pipedream_ft.schedules.placement.Replicated` placement of replicated stages. Raises
+    :class:`ScheduleError` naming the blocked actions if the compute order cannot run (a rank needs an input
+    that no order of the others produces first), if an action is on a rank that does not run it, or if the
+    schedule already has communication.
     """
-    if placement is None:
-        placement = stage_to_rank(schedule)
+    where = as_replicated(placement if placement is not None else stage_to_rank(schedule))
     queues = {r: deque(a for a in acts if a is not None) for r, acts in sorted(schedule.items())}
     for rank, queue in queues.items():
         for a in queue:
             if a.kind in COMMUNICATION:
                 raise ScheduleError(f"rank {rank}'s schedule already has communication ({a})")
-            if placement.get(a.stage) != rank:
-                raise ScheduleError(f"{a} is on rank {rank} but stage {a.stage} is placed on rank "
-                                    f"{placement.get(a.stage)}")
+            if a.stage >= where.num_stages:
+                raise ScheduleError(f"{a} is on rank {rank} but there is no stage {a.stage}")
+            if a.kind == Kind.U:
+                if not where.holds(rank, a.stage):
+                    raise ScheduleError(f"{a} is on rank {rank} but stage {a.stage} is placed on ranks "
+                                        f"{list(where.ranks[a.stage])}")
+            elif where.rank(a.stage, a.index) != rank:
+                held = where.ranks[a.stage]
+                raise ScheduleError(f"{a} is on rank {rank} but stage {a.stage} is placed on rank {held[0]}"
+                                    if len(held) == 1 else
+                                    f"{a} is on rank {rank} but stage {a.stage} runs minibatch {a.index} on rank "
+                                    f"{where.rank(a.stage, a.index)}")
     out: dict[int, list[Action]] = {r: [] for r in queues}
-    have: dict[int, set[Action]] = {r: set() for r in queues}
-    last = max(placement, default=0)
+    have: dict[int, set[tuple[int, Kind, int]]] = {r: set() for r in queues}
+    """What each rank has placed so far, as ``(stage, kind, index)`` (cheaper to hash than actions)."""
+    last = where.num_stages - 1
 
-    def needs(a: Action) -> tuple[Action, ...]:
+    def needs(a: Action) -> tuple[tuple[int, Kind, int], ...]:
         """Any one of these, already on the rank, lets ``a`` run (its input, local or received)."""
         s, m = a.stage, a.index
-        if a.kind == Kind.F and s > 0:
-            return Action(s, Kind.RECV_F, m), Action(s - 1, Kind.F, m)
+        if a.kind is Kind.F and s > 0:
+            return (s, Kind.RECV_F, m), (s - 1, Kind.F, m)
         if a.kind in BACKWARD and s < last:
-            return Action(s, Kind.RECV_B, m), Action(s + 1, Kind.I, m), Action(s + 1, Kind.B, m)
+            return (s, Kind.RECV_B, m), (s + 1, Kind.I, m), (s + 1, Kind.B, m)
         return ()
 
     while any(queues.values()):
@@ -66,23 +84,25 @@ def add_communication(schedule: Schedule, placement: Mapping[int, int] | None = 
             if not queue:
                 continue
             a = queue[0]
+            mine = have[rank]
             wanted = needs(a)
-            if wanted and not any(w in have[rank] for w in wanted):
+            if wanted and not any(w in mine for w in wanted):
                 continue
             queue.popleft()
             out[rank].append(a)
-            have[rank].add(a)
+            mine.add((a.stage, a.kind, a.index))
             progress = True
-            message = messages_of(a, placement)
+            message = _messages(a, where) if a.kind is not Kind.U else None
             if message is not None:
                 send, recv = message
                 out[rank].append(send)
-                have[rank].add(send)
-                target = placement[recv.stage]
+                mine.add((send.stage, send.kind, send.index))
+                target = where.rank(recv.stage, recv.index)
                 out[target].append(recv)
-                have[target].add(recv)
+                have[target].add((recv.stage, recv.kind, recv.index))
         if not progress:
-            stuck = "; ".join(f"rank {r} at {q[0]} waits for {' or '.join(map(str, needs(q[0])[1:]))}"
+            stuck = "; ".join(f"rank {r} at {q[0]} waits for "
+                              f"{' or '.join(str(Action(*w)) for w in needs(q[0])[1:])}"
                               for r, q in queues.items() if q)
             raise ScheduleError(f"cannot place the messages, the schedule deadlocks: {stuck}")
     return out

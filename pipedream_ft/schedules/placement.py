@@ -8,10 +8,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Mapping, Sequence, Union
+
 from .actions import Schedule
 from .errors import ScheduleError
 
-__all__ = ["loop_placement", "v_placement", "stage_to_rank", "check_counts"]
+__all__ = ["loop_placement", "v_placement", "stage_to_rank", "check_counts", "Replicated", "PlacementLike",
+           "as_replicated"]
 
 
 def check_counts(**values: int) -> None:
@@ -54,3 +58,46 @@ def stage_to_rank(schedule: Schedule) -> dict[int, int]:
     if stages != list(range(len(stages))):
         raise ScheduleError(f"stages must be numbered 0..S-1, the schedule has {stages}")
     return where
+
+
+@dataclass(frozen=True, slots=True)
+class Replicated:
+    """Where a plan with replicated stages runs each minibatch: ``ranks[s]`` are stage ``s``'s replicas, and
+    minibatch ``m`` runs on ``ranks[s][m % len(ranks[s])]`` (PipeDream deals minibatches round-robin). A
+    placement of one rank per stage is the case of one replica each."""
+
+    ranks: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if not self.ranks or any(not r for r in self.ranks):
+            raise ValueError(f"every stage needs at least one rank, got {self.ranks!r}")
+
+    @staticmethod
+    def of(stage_ranks: Sequence[Sequence[int]]) -> "Replicated":
+        return Replicated(tuple(tuple(r) for r in stage_ranks))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.ranks)
+
+    def rank(self, stage: int, minibatch: int) -> int:
+        """The rank that runs ``minibatch`` on ``stage``."""
+        held = self.ranks[stage]
+        return held[minibatch % len(held)]
+
+    def holds(self, rank: int, stage: int) -> bool:
+        return 0 <= stage < len(self.ranks) and rank in self.ranks[stage]
+
+
+PlacementLike = Union[Mapping[int, int], Replicated]
+"""stage -> rank, or a :class:`Replicated` placement."""
+
+
+def as_replicated(placement: PlacementLike) -> Replicated:
+    """``placement`` as a :class:`Replicated` one (a mapping: one replica per stage, stages ``0..S-1``)."""
+    if isinstance(placement, Replicated):
+        return placement
+    stages = sorted(placement)
+    if stages != list(range(len(stages))):
+        raise ScheduleError(f"stages must be numbered 0..S-1, the placement has {stages}")
+    return Replicated(tuple((placement[s],) for s in stages))

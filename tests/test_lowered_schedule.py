@@ -1,0 +1,102 @@
+"""The schedule that runs is the schedule that was lowered: every mode's per-rank lists with their sends and receives.
+
+Pure tests check :meth:`Mode.lowered` against :func:`~pipedream_ft.schedules.add_communication` (replicated stages
+included: a message goes to the replica that runs the minibatch); a traced run on real gloo processes shows each
+process running exactly its lowered list, sends and receives included, in order.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dist_helpers import run_world
+from ft_cases import checkpointed_case
+from pipedream_ft.pipeline.modes import make_mode
+from pipedream_ft.pipeline.topology import Topology
+from pipedream_ft.schedules import Action, Kind, ScheduleError, add_communication, parse_action
+from pipedream_ft.schedules.placement import Replicated
+from runtime_cases import mlp, plan_for
+
+pytestmark = pytest.mark.timeout(240)
+
+P3 = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+
+
+def _lowered(plan, mode: str, start: int, stop: int) -> dict[int, list[Action]]:
+    m = make_mode(mode, 4)
+    topos = [Topology.of(plan, r) for r in range(plan.world_size)]
+    for t in topos:
+        m.check(t)
+    return {t.rank: m.lowered(t, start, stop) for t in topos}
+
+
+def _messages_meet(lowered: dict[int, list[Action]], placement: Replicated) -> None:
+    """Every send is received once, by the rank that runs the minibatch on the neighbouring stage, and the reverse."""
+    sends = {(a, r) for r, acts in lowered.items() for a in acts if a.kind in (Kind.SEND_F, Kind.SEND_B)}
+    recvs = {(a, r) for r, acts in lowered.items() for a in acts if a.kind in (Kind.RECV_F, Kind.RECV_B)}
+    assert len(sends) == len(recvs) > 0
+    for a, r in sends:
+        to = a.stage + 1 if a.kind == Kind.SEND_F else a.stage - 1
+        kind = Kind.RECV_F if a.kind == Kind.SEND_F else Kind.RECV_B
+        assert (Action(to, kind, a.index), placement.rank(to, a.index)) in recvs, a
+        assert r == placement.rank(a.stage, a.index)
+
+
+@pytest.mark.parametrize("mode", ["stash", "vertical", "flush", "2bw"])
+def test_every_mode_lowers_to_messages_that_meet(mode):
+    plan = plan_for(mlp(), P3)
+    lowered = _lowered(plan, mode, 0, 12)
+    _messages_meet(lowered, Replicated.of([s.ranks for s in plan.stages]))
+    assert [str(a) for a in lowered[1][:4]] == ["1RECV_F0", "1F0", "1SEND_F0", "1RECV_F1"]
+    # a compute action's input is received before it, on its own rank
+    for rank, acts in lowered.items():
+        seen: set[Action] = set()
+        for a in acts:
+            if a.kind == Kind.F and a.stage > 0:
+                assert Action(a.stage, Kind.RECV_F, a.index) in seen, (rank, a)
+            if a.kind in (Kind.B, Kind.I) and a.stage < 2:
+                assert Action(a.stage, Kind.RECV_B, a.index) in seen, (rank, a)
+            seen.add(a)
+
+
+def test_a_replicated_stage_sends_each_minibatch_to_the_replica_that_runs_it():
+    plan = plan_for(mlp(), P3, [2, 1, 1])  # ranks 0 and 1 are stage 0's replicas, rank 2 stage 1, rank 3 stage 2
+    lowered = _lowered(plan, "stash", 0, 8)
+    placement = Replicated.of([s.ranks for s in plan.stages])
+    _messages_meet(lowered, placement)
+    assert {a.index for a in lowered[0] if a.kind == Kind.SEND_F} == {0, 2, 4, 6}
+    assert {a.index for a in lowered[1] if a.kind == Kind.RECV_B} == {1, 3, 5, 7}
+    assert [a for a in lowered[2] if a.kind == Kind.U] == [Action(1, Kind.U, j) for j in range(8)]
+
+
+def test_lowering_refuses_an_action_on_a_rank_that_does_not_run_its_minibatch():
+    placement = Replicated(((0, 1), (2,)))
+    with pytest.raises(ScheduleError, match="0F1 is on rank 0 but stage 0 runs minibatch 1 on rank 1"):
+        add_communication({0: [parse_action("0F1")], 1: [], 2: []}, placement)
+    with pytest.raises(ScheduleError, match=r"0U0 is on rank 2 but stage 0 is placed on ranks \[0, 1\]"):
+        add_communication({0: [], 1: [], 2: [parse_action("0U0")]}, placement)
+
+
+def _ran(trace_dir, pid: int) -> list[str]:
+    from pipedream_ft.observe.timeline import merge_traces, trace_files
+
+    events = [e for e in merge_traces(trace_files(trace_dir))["traceEvents"] if e.get("pid") == pid and (
+        (e.get("ph") == "X" and e["cat"] in ("forward", "backward", "weight", "update"))
+        or (e.get("ph") == "i" and e.get("cat") == "message"))]
+    events.sort(key=lambda e: e["ts"])  # stable: an instant recorded before a compute that starts at the same time
+    return [f"{e['args']['stage']}{e['name']}" for e in events]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, schedule", [("stash", "1f1b"), ("flush", "zb_h1")])
+def test_each_process_runs_its_lowered_list_sends_and_receives_included(tmp_path, mode, schedule):
+    traces = tmp_path / "traces"
+    run_world(checkpointed_case, 3, str(tmp_path / "ckpt"), P3, None, 8, None, 8, mode, "adam", False, schedule,
+              env={"PIPEDREAM_FT_TRACE_DIR": str(traces)})
+    plan = plan_for(mlp(), P3)
+    m = make_mode(mode, 4, schedule=schedule)
+    for rank in range(3):
+        want = [str(a) if a.kind in (Kind.F, Kind.B, Kind.U) or a.kind.value.startswith(("SEND", "RECV"))
+                else f"{a.stage}{'B' if a.kind == Kind.I else 'W'}{a.index}"  # the trace names I's event B
+                for a in m.lowered(Topology.of(plan, rank), 0, 8)]
+        assert _ran(traces, rank) == want, rank
