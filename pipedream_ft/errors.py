@@ -34,6 +34,9 @@ class PipelineSetupError(PipelineError):
     """The pipeline cannot start: the same message is raised on every rank before training begins."""
 
     exit_code: ClassVar[int] = EXIT_SETUP
+    agreed: bool = False
+    """Set on one that every rank raised with the same message after agreeing on it (a collective check): the
+    group need not be told, and a rank that exits first cannot make another's line differ."""
 
 
 class InvalidArgument(PipelineSetupError, ValueError):

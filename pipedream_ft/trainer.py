@@ -541,6 +541,8 @@ class PipelineTrainer:
             self.faults.at_drained()
             return None
         except PipelineSetupError as exc:  # found here; any recovery would meet it again: the whole group stops
+            if exc.agreed:  # every rank holds this same line already (the pre-flight's check is a collective)
+                raise
             self.coordinator.publish_job_error(str(exc))
             error = self.coordinator.job_error()  # as every rank reads it (the first published), for the same line
             if error is not None:

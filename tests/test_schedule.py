@@ -87,32 +87,3 @@ def test_deadlock_is_reported():
     bad = [[[Action(0, "B", 0), Action(0, "F", 0)]]]
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate(bad, [1])
-
-
-@pytest.mark.parametrize("name", ["1f1b", "gpipe", "zb_h1"])
-def test_receives_are_posted_one_forward_ahead_and_never_further(name):
-    from pipedream_ft.pipeline.schedule import receives_ahead, synchronous
-
-    for stage in range(4):
-        actions = synchronous(name, stage, 0, [1, 1, 1, 1], 0, 16, 8)
-        ahead = receives_ahead(actions)
-        assert len(ahead) == len(actions)
-        forwards = [a.index for a in actions if a.kind == "F"]
-        posted: list[int] = []
-        ran: set[int] = set()
-        for action, batch in zip(actions, ahead):
-            posted += [b for b in batch if b not in posted]
-            if action.kind == "F":
-                k = forwards.index(action.index)
-                assert action.index in posted  # its own input is on its way before it runs
-                assert forwards[k + 1: k + 2] == [b for b in batch if b != action.index]  # and the next one's
-                ran.add(action.index)
-            assert len(set(posted) - ran) <= 2  # at most two receives wait for their forward
-        assert posted == forwards  # each once, in the order the forwards run
-
-
-def test_receives_ahead_of_a_short_schedule():
-    from pipedream_ft.pipeline.schedule import receives_ahead
-
-    acts = [parse_action(a) for a in "0F0 0F1 0B0 0U0 0F2 0B1".split()]
-    assert receives_ahead(acts) == [[0, 1], [1, 2], [2], [2], [2], []]

@@ -66,3 +66,25 @@ def test_a_stage_without_parameters_has_no_optimizer_and_round_trips() -> None:
     part = state.capture(cut=4)
     state.restore(part)
     assert state.position == 4
+
+
+def test_a_store_that_keeps_no_older_version_aliases_the_live_weights_until_an_offset():
+    import pytest as _pytest
+
+    from pipedream_ft.pipeline.versions import VersionStore
+
+    w = torch.nn.Parameter(torch.ones(3))
+    store = VersionStore([w], alias=True)
+    assert store.live and store.current.tensors[0] is w
+    with torch.no_grad():
+        w.add_(1.0)
+    assert store.publish().tensors[0] is w and store.current.updates == 1 and not store.history
+    store.offset = [torch.full((3,), 0.5)]
+    predicted = store.publish()  # weight prediction: a copy with the offset, never the live weights
+    assert predicted.tensors[0] is not w and torch.equal(predicted.tensors[0], torch.full((3,), 2.5))
+    assert not store.live and store.saved() == {2: predicted}
+    assert store.publish().tensors[0] is w and store.live
+    with _pytest.raises(ValueError, match="a version store that keeps 1 older versions cannot alias the live"):
+        VersionStore([w], keep=1, alias=True)
+    copied = VersionStore([w])
+    assert copied.current.tensors[0] is not w and not copied.live

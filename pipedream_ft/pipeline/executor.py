@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
-from torch.func import functional_call
 from torch.utils._pytree import tree_leaves
 
 from ..errors import PipelineSetupError
@@ -44,6 +43,7 @@ from .data import bind_inputs
 from .group import CommGroup
 from .hooks import Hooks
 from .modes import Mode
+from .reparam import Reparametrized
 from .splitbackward import WeightBackward, input_backward
 from .state import StageState
 from .topology import Topology
@@ -167,6 +167,7 @@ class Executor:
         """Minibatches whose ``I`` ran and whose ``W`` has not."""
         self._act_recv: dict[int, RecvHandle] = {}
         self._grads_out: dict[int, list[torch.Tensor]] = {}
+        self._reparam: Reparametrized | None = None
         """Input gradients computed and not yet sent (``B``/``I`` ran, ``SEND_B`` has not)."""
         self._generator = torch.cuda.default_generators[self.device.index or 0] if self.device.type == "cuda" \
             else torch.default_generator
@@ -177,6 +178,14 @@ class Executor:
         """The context of every forward and loss (mixed precision, :mod:`pipedream_ft.pipeline.precision`)."""
         self.loss_factor: Callable[[], float] = loss_factor if loss_factor is not None else (lambda: 1.0)
         """A further factor on each loss before its backward (the float16 loss scale)."""
+
+    @property
+    def _reparametrized(self) -> Reparametrized:
+        """The stage's module, run on a weight version (made once per module)."""
+        r = self._reparam
+        if r is None or r.module is not self.state.module:
+            r = self._reparam = Reparametrized(self.state.module)
+        return r
 
     @property
     def messenger(self) -> Messenger:
@@ -263,7 +272,9 @@ class Executor:
             self.messenger.flush()
         problems = [e for e in self.group.all_gather_object(error) if e]
         if problems:
-            raise PipelineSetupError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+            agreed = PipelineSetupError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+            agreed.agreed = True
+            raise agreed
         self.preflight_done = True
 
     # -- actions ------------------------------------------------------------------------------------------
@@ -358,7 +369,8 @@ class Executor:
         t0 = time.perf_counter()
         w0 = time.time()
         version = self.mode.version_for(topo, state.versions, b, header.tag)
-        params = dict(zip(state.param_names, version.tensors))
+        params = {} if version is state.versions.current and state.versions.live else \
+            dict(zip(state.param_names, version.tensors))  # the live weights need no swapping in
         tied_versions: list[Version] = []
         if state.tied:
             tied_params, tied_versions = state.tied.tensors_for(b)
@@ -368,7 +380,7 @@ class Executor:
         gen.manual_seed(mix_seed(self.seed, topo.stage, b))  # this forward's RNG, reproducible
         try:
             with self.autocast():
-                out = functional_call(state.module, params, tuple(inputs))
+                out = self._reparametrized(params, tuple(inputs))
         finally:
             gen.set_state(saved)  # the caller's RNG stream is left as it was
         loss = None
@@ -539,7 +551,8 @@ class Executor:
         n = len(alive)
         if n > self.stats.peak_stash_versions:
             self.stats.peak_stash_versions = n
-            self.stats.peak_stash_bytes = sum(v.nbytes for v in alive.values())
+            live = versions.current if versions.live else None  # the live weights themselves: no copy held
+            self.stats.peak_stash_bytes = sum(v.nbytes for v in alive.values() if v is not live)
 
     # -- results ----------------------------------------------------------------------------------------------
 

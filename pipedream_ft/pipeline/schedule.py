@@ -3,8 +3,9 @@
 An action is :class:`pipedream_ft.schedules.Action`: a stage, a kind — ``F`` (forward), ``B`` (backward), ``I`` /
 ``W`` (the backward split) or ``U`` (weight update: gradient all-reduce among a stage's replicas, then the
 optimizer step) — and a minibatch (for ``U``: an update round), printed ``2F5``. A schedule is the list of
-actions one rank runs; the executor runs each (:meth:`~pipedream_ft.pipeline.executor.Executor.run`). Communication is implied: ``F b`` on stage ``s > 0`` receives from the
-replica of stage ``s - 1`` that ran ``F b``; ``B b`` receives the gradient from stage ``s + 1``.
+actions one rank computes; :meth:`~pipedream_ft.pipeline.modes.Mode.lowered` adds the sends and receives that
+connect it to its neighbours (``F b`` on stage ``s > 0`` receives from the replica of stage ``s - 1`` that ran
+``F b``; ``B b`` receives the gradient from stage ``s + 1``), and the executor runs that lowered list.
 
 Minibatches are dealt round-robin to a stage's replicas: replica ``r`` of a stage with ``R`` replicas runs the
 minibatches ``b`` with ``b % R == r``. A replica of stage ``s`` keeps ``ceil(sum(R[s:]) / R[s])`` minibatches in
@@ -36,7 +37,6 @@ __all__ = [
     "SYNCHRONOUS",
     "synchronous",
     "double_buffered",
-    "receives_ahead",
     "simulate",
     "render",
 ]
@@ -155,21 +155,6 @@ def double_buffered(stage: int, replica: int, replicas: Sequence[int], start: in
         if i + k < len(mine):
             actions.append(Action(stage, Kind.F, mine[i + k]))
     return actions
-
-
-def receives_ahead(actions: Sequence[Action]) -> list[list[int]]:
-    """For each action of a rank's schedule, the minibatches whose activations to post a receive for just before
-    it: the next forward's at every action, and at a forward also the one after it — so a stage's input is on
-    its way while it computes, and a sender never blocks on a receive not yet posted. Posting the same receive
-    twice is harmless (the executor keeps the first)."""
-    forwards = [i for i, a in enumerate(actions) if a.kind == "F"]
-    out: list[list[int]] = []
-    nxt = 0  # first forward at or after the current action
-    for i, action in enumerate(actions):
-        while nxt < len(forwards) and forwards[nxt] < i:
-            nxt += 1
-        out.append([actions[j].index for j in forwards[nxt: nxt + (2 if action.kind == "F" else 1)]])
-    return out
 
 
 def _check_window(start: int, stop: int, replicas: Sequence[int]) -> None:

@@ -54,7 +54,7 @@ class StageState:
         self.param_names: list[str] = [n for n, p in module.named_parameters() if id(p) not in shared]
         self.optimizer: torch.optim.Optimizer | None = optimizer_factory(self.params) if self.params else None
         """``None`` for a stage without parameters of its own (the factory is never called with nothing)."""
-        self.versions = VersionStore(self.params, keep=keep)
+        self.versions = VersionStore(self.params, keep=keep, alias=keep == 0)
         self.position = 0
         """Minibatches trained so far (the data position)."""
         self.extra: dict[str, Any] = dict(extra or {})
@@ -85,8 +85,8 @@ class StageState:
         them instead of copying (see :func:`pipedream_ft.checkpoint.snapshot.immutable`).
         """
         versions = {u: frozen(list(v.tensors)) for u, v in self.versions.saved().items()}
-        current = {} if self.versions.predicted else \
-            {id(p): t for p, t in zip(self.params, self.versions.current.tensors)}
+        current = {} if self.versions.predicted or self.versions.live else \
+            {id(p): t for p, t in zip(self.params, self.versions.current.tensors)}  # live weights: copied
         if self.tied:
             current.update({id(g.param): g.versions.current.tensors[0] for g in self.tied.groups})
         live = {n: p for n, p in self.module.named_parameters(remove_duplicate=False)}
@@ -122,7 +122,8 @@ class StageState:
         self.module.load_state_dict(state["model"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
-        self.versions = VersionStore(self.params, updates=int(state["updates"]), keep=self.keep)
+        self.versions = VersionStore(self.params, updates=int(state["updates"]), keep=self.keep,
+                                     alias=self.keep == 0)
         device = self.params[0].device if self.params else torch.device("cpu")
         for u, tensors in state["versions"].items():
             self.versions.add(Version(int(u), tuple(t.to(device).requires_grad_(p.requires_grad)
@@ -147,7 +148,8 @@ class StageState:
         if self.optimizer is not None:
             self.optimizer.load_state_dict(merged["optimizer"])
         start = -(-cut // window) * window
-        self.versions = VersionStore(self.params, updates=start // updates_per_round, keep=self.keep)
+        self.versions = VersionStore(self.params, updates=start // updates_per_round, keep=self.keep,
+                                     alias=self.keep == 0)
         self.versions.floor = self.versions.current.updates
         if self.tied:
             for g in self.tied.groups:

@@ -47,11 +47,18 @@ class VersionStore:
     state the in-flight minibatches hold those same versions anyway, so this costs no extra memory.
     """
 
-    def __init__(self, params: Iterable[torch.Tensor], updates: int = 0, keep: int = 0) -> None:
+    def __init__(self, params: Iterable[torch.Tensor], updates: int = 0, keep: int = 0, *, alias: bool = False
+                 ) -> None:
         if keep < 0:
             raise ValueError(f"keep must be >= 0, got {keep}")
+        if alias and keep:
+            raise ValueError(f"a version store that keeps {keep} older versions cannot alias the live weights")
         self._params = list(params)
         self.keep = keep
+        self.alias = alias
+        """The current version *is* the live weights (no copy) unless published with an offset: for a stage whose
+        every forward's backward runs before the next update (``keep == 0``: flush mode, a last stage), so nothing
+        reads a version after the optimizer has changed it. Saves a copy of the weights and one per update."""
         self.floor = 0
         """Versions older than this were never kept (the pipeline was re-planned here): asking for one gives the
         version at the floor."""
@@ -62,7 +69,14 @@ class VersionStore:
         """Whether the current version differs from the live weights (it was published with an offset)."""
         self.current = self._snapshot(updates)
 
+    @property
+    def live(self) -> bool:
+        """Whether the current version is the live weights themselves (see :attr:`alias`)."""
+        return self.alias and not self.predicted
+
     def _snapshot(self, updates: int, offset: list[torch.Tensor] | None = None) -> Version:
+        if offset is None and self.alias:
+            return Version(updates, tuple(self._params))
         if offset is None:
             return Version(updates, tuple(p.detach().clone().requires_grad_(p.requires_grad) for p in self._params))
         if len(offset) != len(self._params):
