@@ -61,7 +61,7 @@ import pipedream_ft  # noqa: E402
 from pipedream_ft import CheckpointConfig, PipelineConfig, PipelineSetupError, PipelineTrainer  # noqa: E402
 from pipedream_ft.pipeline.modes import MODES, Mode, make_mode  # noqa: E402
 from pipedream_ft.config import planned_schedule  # noqa: E402
-from pipedream_ft.pipeline.schedule import SYNCHRONOUS  # noqa: E402
+from pipedream_ft.schedules.replicated import SYNCHRONOUS  # noqa: E402
 from pipedream_ft.pipeline.topology import Topology  # noqa: E402
 from pipedream_ft.schedules.window import VIRTUAL  # noqa: E402
 from pipedream_ft.virtual import runs_virtual  # noqa: E402

@@ -13,7 +13,7 @@ from .pipeline.compensation import Compensation, check_compensation
 from .pipeline.executor import RankStats
 from .pipeline.modes import MODES
 from .pipeline.precision import LossScale, check_autocast
-from .pipeline.schedule import SYNCHRONOUS
+from .schedules.replicated import SYNCHRONOUS
 from .schedules.window import VIRTUAL, ScheduleSpec, WindowSchedule, resolve_schedule
 
 __all__ = ["PipelineConfig", "TrainResult", "check_schedule", "planned_schedule"]

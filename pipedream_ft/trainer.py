@@ -67,8 +67,7 @@ from .pipeline.hooks import HookList, Hooks
 from .pipeline.modes import MODES, Mode, make_mode
 from .pipeline.precision import LossScale, LossScaler, autocast_context
 from .pipeline.record import TrainRecord
-from .pipeline.schedule import Action
-from .schedules.actions import COMMUNICATION
+from .schedules.actions import COMMUNICATION, Action
 from .pipeline.scheduler import SchedulerFactory, attach_scheduler
 from .pipeline.materialize import Init, has_meta, materialize_stage
 from .pipeline.memory_report import ActivationMeter, MemoryReport, memory_report, resident_bytes

@@ -16,7 +16,9 @@ from pipedream_ft.observe.plot import WEIGHT_COLOR
 from pipedream_ft.observe.timeline import merge_traces, trace_files
 from pipedream_ft.observe.timeline_cli import main as timeline_main
 from pipedream_ft.pipeline.modes import Flush
-from pipedream_ft.pipeline.schedule import Action, ScheduleError, simulate, synchronous
+from pipedream_ft.schedules import Action, ScheduleError
+from pipedream_ft.schedules.replicated import synchronous
+from schedule_helpers import ran, run_replicated
 from pipedream_reference import minibatch_sgd_reference
 from png_helpers import hex_rgb, png_colours
 from runtime_cases import OPTIMIZERS, gpt_case, gpt_plan, lm_data, lm_loss, planned_schedule_case, tiny_gpt
@@ -93,8 +95,8 @@ def test_zb_h1_splits_every_backward_and_the_pipeline_completes(stages, window):
         first_w = next(i for i, a in enumerate(acts) if a.kind == "W")
         assert acts[first_w - 1] == Action(s, "I", min(s, window - 1))
         assert [a for a in acts if a.kind == "U"] == [Action(s, "U", 0), Action(s, "U", 1)]
-    grid = simulate(plans, [1] * stages)
-    assert sum(1 for row in grid for a in row if a is not None) == sum(len(p[0]) for p in plans)
+    timeline = run_replicated(plans, [1] * stages)
+    assert ran(timeline) == {s: p[0] for s, p in enumerate(plans)}  # every action ran, in its order
 
 
 def test_a_schedule_that_cannot_run_is_refused_with_what_runs():
@@ -135,7 +137,7 @@ def test_schedule_plan_runs_the_schedule_the_plan_records():
 def test_a_weight_gradient_before_its_input_gradient_deadlocks_in_the_simulator():
     bad = [[[Action(0, "F", 0), Action(0, "W", 0), Action(0, "I", 0), Action(0, "U", 0)]]]
     with pytest.raises(ScheduleError, match="0W0"):
-        simulate(bad, [1])
+        run_replicated(bad, [1])
 
 
 @pytest.mark.slow

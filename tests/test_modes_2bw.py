@@ -11,10 +11,12 @@ from dist_helpers import run_world
 from partitioner.plan import PlanError
 from pipedream_reference import two_bw_reference
 from pipedream_ft.pipeline.modes import MODES, TwoBW, make_mode
-from pipedream_ft.pipeline.schedule import Action, double_buffered, simulate
+from pipedream_ft.schedules import Action
+from pipedream_ft.schedules.replicated import double_buffered
 from pipedream_ft.pipeline.topology import Topology
 from pipedream_ft.pipeline.versions import VersionStore
 from runtime_cases import MODELS, OPTIMIZERS, data, plan_for
+from schedule_helpers import run_replicated
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -33,7 +35,7 @@ def test_schedule_is_1f1b_without_flush_and_one_update_per_window():
     assert double_buffered(0, 1, [2, 1], 0, 8, 4) == _actions("F1 F3 B1 F5 B3 U0 F7 B5 B7 U1", 0)
     for replicas in ([1, 1, 1, 1], [2, 1, 1]):
         scheds = [[double_buffered(s, r, replicas, 0, 24, 4) for r in range(n)] for s, n in enumerate(replicas)]
-        simulate(scheds, replicas)  # runs to completion (raises on a deadlock)
+        run_replicated(scheds, replicas)  # runs to completion (raises on a deadlock)
     with pytest.raises(ValueError, match=r"not whole windows of 4"):
         double_buffered(0, 0, [1, 1], 0, 6, 4)
 

@@ -3,9 +3,9 @@ import math
 
 import pytest
 
-from pipedream_ft.pipeline.schedule import (Action, ScheduleError, flushing, in_flight, one_f_one_b, render,
-                                   replica_minibatches, simulate)
-from pipedream_ft.schedules import parse_action
+from pipedream_ft.schedules import Action, ScheduleError, parse_action, render
+from pipedream_ft.schedules.replicated import async_1f1b as one_f_one_b, flushing, in_flight, replica_minibatches
+from schedule_helpers import grid as unit_grid, run_replicated
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -13,7 +13,8 @@ pytestmark = pytest.mark.timeout(60)
 def grid(replicas, n, window=None):
     def sched(s, r):
         return flushing(s, r, replicas, 0, n, window) if window else one_f_one_b(s, r, replicas, 0, n)
-    return simulate([[sched(s, r) for r in range(replicas[s])] for s in range(len(replicas))], replicas)
+    return unit_grid(run_replicated([[sched(s, r) for r in range(replicas[s])] for s in range(len(replicas))],
+                                    replicas))
 
 
 def test_straight_1f1b_table():
@@ -24,9 +25,10 @@ def test_straight_1f1b_table():
     assert [str(a) for a in one_f_one_b(3, 0, [1, 1, 1, 1], 0, 4)] == (
         "3F0 3B0 3U0 3F1 3B1 3U1 3F2 3B2 3U2 3F3 3B3 3U3".split())
     assert [parse_action(str(a)) for a in one_f_one_b(2, 0, [1, 1, 1, 1], 0, 4)] == one_f_one_b(2, 0, [1] * 4, 0, 4)
-    assert render(grid([1, 1, 1, 1], 8)).splitlines()[3] == (
-        "rank 3:   .   .   . 3F0 3B0 3U0 3F1 3B1 3U1 3F2 3B2 3U2 3F3 3B3 3U3 3F4 3B4 3U4 3F5 3B5 3U5 3F6 3B6 3U6 "
-        "3F7 3B7 3U7   .   .   .")
+    timeline = run_replicated([[one_f_one_b(s, 0, [1] * 4, 0, 8)] for s in range(4)], [1] * 4)
+    assert render(timeline).splitlines()[3] == (
+        "rank 3: .   .   .   3F0 3B0 3U0 3F1 3B1 3U1 3F2 3B2 3U2 3F3 3B3 3U3 3F4 3B4 3U4 3F5 3B5 3U5 3F6 3B6 3U6 "
+        "3F7 3B7 3U7 .   .   .")
 
 
 def test_no_flush_in_steady_state():
@@ -86,4 +88,4 @@ def test_bad_ranges_are_refused():
 def test_deadlock_is_reported():
     bad = [[[Action(0, "B", 0), Action(0, "F", 0)]]]
     with pytest.raises(ScheduleError, match="deadlock"):
-        simulate(bad, [1])
+        run_replicated(bad, [1])

@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from pipedream_ft.pipeline import schedule as old
+from pipedream_ft.schedules import replicated as runtime
 from pipedream_ft.schedules import (SCHEDULES, Action, Kind, add_updates, build, dualpipev, gpipe, interleaved_1f1b,
                                     interleaved_zero_bubble, loop_placement, looped_bfs, one_f_one_b, pipedream,
                                     simulate, stage_to_rank, v_placement, zb_h1, zbv)
@@ -150,12 +150,12 @@ def test_every_schedule_is_complete_and_runs(name):
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("per_stage", [1, 2, 3])
-def test_agrees_with_pipeline_schedule(stages, per_stage):
+def test_agrees_with_the_runtime_modes_schedules(stages, per_stage):
     # a straight pipeline: the flush mode's 1F1B and PipeDream's asynchronous 1F1B, action for action
     n = stages * per_stage
     flushed = add_updates(one_f_one_b(stages, n))
     asynchronous = pipedream(stages, n)
     replicas = [1] * stages
     for s in range(stages):
-        assert flushed[s] == [Action(s, a.kind, a.index) for a in old.flushing(s, 0, replicas, 0, n, n)]
-        assert asynchronous[s] == [Action(s, a.kind, a.index) for a in old.one_f_one_b(s, 0, replicas, 0, n)]
+        assert flushed[s] == [Action(s, a.kind, a.index) for a in runtime.flushing(s, 0, replicas, 0, n, n)]
+        assert asynchronous[s] == [Action(s, a.kind, a.index) for a in runtime.async_1f1b(s, 0, replicas, 0, n)]

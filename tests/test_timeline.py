@@ -11,7 +11,8 @@ import pytest
 
 import pipedream_ft.observe.timeline as timeline
 from pipedream_ft.observe.plot import BACKWARD_COLOR, FORWARD_COLOR, clip_trace, draw_timeline, summarize
-from pipedream_ft.pipeline.schedule import one_f_one_b, simulate
+from pipedream_ft.schedules.replicated import async_1f1b
+from schedule_helpers import grid as unit_grid, run_replicated
 from pipedream_ft.observe.timeline import TimelineRecorder, merge_traces, trace_files
 from pipedream_ft.observe.timeline_cli import main
 from png_helpers import hex_rgb, png_colours, png_size
@@ -46,13 +47,13 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
 def write_attempt(directory: Path, clock: FakeClock, *, stages: int, start: int, stop: int, attempt: int = 0,
                   resumed_from: int | None = None, tick: float = 0.01, checkpoint_every: int | None = None,
                   killed: int | None = None) -> None:
-    """One attempt of a straight pipeline, on the unit-time grid of :func:`simulate`, one recorder per rank.
+    """One attempt of a straight pipeline, on the unit-time grid of the simulator, one recorder per rank.
 
     Every action takes 80% of a tick. ``killed`` names a rank whose file is cut off mid-line, without its
     closing bracket, as if the rank died while writing.
     """
     replicas = [1] * stages
-    grid = simulate([[one_f_one_b(s, 0, replicas, start, stop)] for s in range(stages)], replicas)
+    grid = unit_grid(run_replicated([[async_1f1b(s, 0, replicas, start, stop)] for s in range(stages)], replicas))
     recs = [TimelineRecorder(directory, rank=s, stage=s, replica=0, attempt=attempt) for s in range(stages)]
     for rec in recs:
         rec.instant("start", "restart", attempt=attempt, resumed_from=resumed_from)
@@ -95,7 +96,7 @@ def check_schedule(trace: dict[str, Any], *, stages: int, start: int, stop: int,
     first: dict[tuple[str, int, int], dict[str, Any]] = {}  # (kind, minibatch, stage) -> event
     for s in range(stages):
         got = events_of(trace, s, attempt, ("forward", "backward", "update"))
-        assert [e["name"] for e in got] == [f"{a.kind}{a.index}" for a in one_f_one_b(s, 0, replicas, start, stop)], f"rank {s}"
+        assert [e["name"] for e in got] == [f"{a.kind}{a.index}" for a in async_1f1b(s, 0, replicas, start, stop)], f"rank {s}"
         for e in got:
             assert e["args"]["stage"] == s and e["args"]["attempt"] == attempt
             if e["cat"] != "update":

@@ -9,7 +9,7 @@ import pytest
 from partitioner.plan import PlanError
 from pipedream_ft import PipelineConfig
 from pipedream_ft.pipeline.modes import Flush, make_mode
-from pipedream_ft.pipeline.schedule import synchronous
+from pipedream_ft.schedules.replicated import synchronous
 from pipedream_ft.schedules.window import WindowSchedule, resolve_schedule, virtual_schedule
 from pipedream_ft.schedules import add_communication, build, parse_action, save_csv
 

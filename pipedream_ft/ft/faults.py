@@ -48,7 +48,7 @@ from typing import Any, Callable
 from ..env import read_env, setting
 from ..errors import say
 from ..pipeline.hooks import Hooks
-from ..pipeline.schedule import Action
+from ..schedules.actions import Action
 
 __all__ = ["KINDS", "Fault", "InjectedFault", "FaultInjector", "parse_faults"]
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from ..errors import say
 from ..pipeline.hooks import Hooks
-from ..pipeline.schedule import Action
+from ..schedules.actions import Action
 
 __all__ = ["Watchdog", "WatchdogHook", "WATCHDOG_EXIT_CODE"]
 

@@ -53,7 +53,7 @@ from ..errors import JobError, PipelineError, PipelineSetupError
 from .comm import Header, Messenger
 from .connection import Connection
 from .group import CommGroup
-from .schedule import in_flight
+from ..schedules.replicated import in_flight
 from .sources import describe, is_stateful, resume_problem, source_length, wrap
 from .topology import Topology
 

@@ -489,13 +489,20 @@ class Executor:
         return [t for t in rec.inputs if t.is_floating_point() and t.requires_grad]
 
     def _accumulate(self, targets: list[torch.Tensor], got: Sequence[torch.Tensor | None]) -> None:
+        """Add one backward's weight gradients to the parameters' ``grad``. A fresh gradient becomes the ``grad``
+        itself; one that is a view, or shares its storage with another of the same backward (autograd may hand the
+        same tensor to two parameters), is copied first, since later minibatches add into it in place."""
+        seen: set[int] = set()
         for p, g in zip(targets, got):
             if g is None:
                 continue
+            ptr = g.untyped_storage().data_ptr()
             if p.grad is None:
-                p.grad = g.detach() if self.mode.asynchronous else g.detach().clone()
+                shared = ptr in seen or g._base is not None
+                p.grad = g.detach() if self.mode.asynchronous or not shared else g.detach().clone()
             else:
                 p.grad.add_(g)
+            seen.add(ptr)
 
     def _send_input_grads(self, b: int, wrt_inputs: list[torch.Tensor], got: Sequence[torch.Tensor | None]) -> None:
         """Keep the input gradients of ``b`` for its ``SEND_B``."""

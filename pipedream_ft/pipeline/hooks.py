@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from .schedule import Action
+from ..schedules.actions import Action
 
 __all__ = ["Hooks", "HookList"]
 

@@ -28,7 +28,8 @@ from partitioner.plan import PlanError
 from ..schedules.comms import add_communication
 from ..schedules.placement import Replicated
 from ..schedules.window import ScheduleSpec, WindowSchedule, resolve_schedule
-from .schedule import SYNCHRONOUS, Action, double_buffered, in_flight, one_f_one_b, synchronous
+from ..schedules.actions import Action
+from ..schedules.replicated import SYNCHRONOUS, async_1f1b, double_buffered, in_flight, synchronous
 from .topology import Topology
 from .versions import Version, VersionStore
 
@@ -113,7 +114,7 @@ class Stash(Mode):
     name = "stash"
 
     def schedule(self, topo: Topology, start: int, stop: int) -> list[Action]:
-        return one_f_one_b(topo.stage, topo.replica, topo.replicas, start, stop)
+        return async_1f1b(topo.stage, topo.replica, topo.replicas, start, stop)
 
     def versions_kept(self, topo: Topology) -> int:
         return in_flight(topo.stage, topo.replicas) - 1
@@ -170,7 +171,7 @@ class Flush(Mode):
             raise ValueError(f"schedule must be one of {SYNCHRONOUS}, a table's path or a mapping, got {order!r}")
         self.flush_every = flush_every
         self.order = order
-        """The schedule inside a window: a name of :data:`~pipedream_ft.pipeline.schedule.SYNCHRONOUS`, or one
+        """The schedule inside a window: a name of :data:`~pipedream_ft.schedules.replicated.SYNCHRONOUS`, or one
         given as data (:class:`~pipedream_ft.schedules.WindowSchedule`)."""
 
     def check(self, topo: Topology) -> None:

@@ -12,18 +12,23 @@ Before running, the schedule is checked whole: each action once, each backward w
 with its ``I``, ``B`` and ``I`` never both, every stage's forward fed by the previous stage, every send met
 by exactly one receive on the right rank and every receive by a send. A schedule that passes the checks and
 still stops raises :class:`ScheduleError` naming the action each blocked rank waits at and what it waits for.
+
+A plan with replicated stages places minibatches rather than stages
+(:class:`~pipedream_ft.schedules.placement.Replicated`): minibatch ``m`` of stage ``s`` runs on one of the stage's
+ranks, every replica runs the stage's updates, and an update ``U`` is a collective of the stage's replicas (their
+gradient all-reduce): it starts when every replica has reached it, on all of them at once.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Mapping, NamedTuple
+from typing import NamedTuple
 
 from .actions import BACKWARD, COMMUNICATION, Action, Kind, Schedule
 from .costs import Costs
 from .errors import ScheduleError
-from .placement import stage_to_rank
+from .placement import PlacementLike, Replicated, as_replicated, stage_to_rank
 
 __all__ = ["Span", "Timeline", "simulate"]
 
@@ -56,25 +61,23 @@ class Timeline:
         return sum(self.idle.values()) / total if total else 0.0
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None, placement: Mapping[int, int] | None = None
+def simulate(schedule: Schedule, costs: Costs | None = None, placement: PlacementLike | None = None
              ) -> Timeline:
     """Check ``schedule`` and time it with ``costs`` (default: 1 per F, I and W on every stage).
 
-    ``placement`` (stage -> rank) defaults to where the schedule runs each stage.
+    ``placement`` (stage -> rank, or a :class:`~pipedream_ft.schedules.placement.Replicated` placement of
+    replicated stages) defaults to where the schedule runs each stage.
     """
     acts = {r: [a for a in lst if a is not None] for r, lst in sorted(schedule.items())}
-    if placement is None:
-        placement = stage_to_rank(acts)
+    where = as_replicated(placement if placement is not None else stage_to_rank(acts))
     for r, lst in acts.items():
         for a in lst:
-            if placement.get(a.stage) != r:
-                raise ScheduleError(f"{a} is on rank {r} but stage {a.stage} is placed on rank "
-                                    f"{placement.get(a.stage)}")
+            _check_rank(a, r, where)
     if costs is None:
-        costs = Costs.uniform(max(len(placement), 1))
+        costs = Costs.uniform(max(where.num_stages, 1))
     lowered = any(a.kind in COMMUNICATION for lst in acts.values() for a in lst)
-    _check(acts, placement, lowered)
-    last = max(placement, default=0)
+    _check(acts, where, lowered)
+    last = where.num_stages - 1
     present = {a for lst in acts.values() for a in lst}
 
     def gradient_of(s: int, m: int) -> Action:
@@ -85,11 +88,11 @@ def simulate(schedule: Schedule, costs: Costs | None = None, placement: Mapping[
         """What ``a`` waits for, each with the delay after its end."""
         s, m = a.stage, a.index
         if a.kind == Kind.F and s > 0:
-            return [_across(Action(s - 1, Kind.F, m), Action(s, Kind.RECV_F, m), placement, lowered, costs)]
+            return [_across(Action(s - 1, Kind.F, m), Action(s, Kind.RECV_F, m), where, lowered, costs)]
         if a.kind in BACKWARD:
             out = [(Action(s, Kind.F, m), 0.0)]
             if s < last:
-                out.append(_across(gradient_of(s + 1, m), Action(s, Kind.RECV_B, m), placement, lowered, costs))
+                out.append(_across(gradient_of(s + 1, m), Action(s, Kind.RECV_B, m), where, lowered, costs))
             return out
         if a.kind == Kind.W:
             return [(Action(s, Kind.I, m), 0.0)]
@@ -108,11 +111,32 @@ def simulate(schedule: Schedule, costs: Costs | None = None, placement: Mapping[
     clock = {r: 0.0 for r in acts}
     pos = {r: 0 for r in acts}
     spans: dict[int, list[Span]] = {r: [] for r in acts}
+    holders = {s: [r for r in where.ranks[s] if r in acts] for s in range(where.num_stages)}
+
+    def collective(a: Action) -> list[int] | None:
+        """The replicas that run update ``a`` together, when every one of them has reached it; else None."""
+        ranks = holders[a.stage]
+        if all(pos[h] < len(acts[h]) and acts[h][pos[h]] == a for h in ranks):
+            return ranks
+        return None
+
     while any(pos[r] < len(acts[r]) for r in acts):
         progress = False
         for r, lst in acts.items():
             while pos[r] < len(lst):
                 a = lst[pos[r]]
+                if a.kind is Kind.U and len(holders[a.stage]) > 1:
+                    together = collective(a)
+                    if together is None:
+                        break
+                    start = max(clock[h] for h in together)
+                    end[a] = start + costs.of(a)
+                    for h in together:
+                        clock[h] = end[a]
+                        spans[h].append(Span(a, start, end[a]))
+                        pos[h] += 1
+                    progress = True
+                    continue
                 waits = deps(a)
                 if any(d not in end and d not in ready_at for d, _ in waits):
                     break
@@ -133,7 +157,11 @@ def simulate(schedule: Schedule, costs: Costs | None = None, placement: Mapping[
             for r, lst in acts.items():
                 if pos[r] < len(lst):
                     a = lst[pos[r]]
-                    missing = [str(d) for d, _ in deps(a) if d not in end and d not in ready_at]
+                    if a.kind is Kind.U and len(holders[a.stage]) > 1:
+                        missing = [f"rank {h}" for h in holders[a.stage]
+                                   if not (pos[h] < len(acts[h]) and acts[h][pos[h]] == a)]
+                    else:
+                        missing = [str(d) for d, _ in deps(a) if d not in end and d not in ready_at]
                     stuck.append(f"rank {r} at {a} waits for {' and '.join(missing)}")
             raise ScheduleError("deadlock: " + "; ".join(stuck))
     step = max((s.end for lst in spans.values() for s in lst), default=0.0)
@@ -141,22 +169,39 @@ def simulate(schedule: Schedule, costs: Costs | None = None, placement: Mapping[
     return Timeline(spans=spans, step_time=step, busy=busy)
 
 
-def _across(producer: Action, receive: Action, placement: Mapping[int, int], lowered: bool, costs: Costs
+def _check_rank(a: Action, r: int, where: Replicated) -> None:
+    """Raise :class:`ScheduleError` unless rank ``r`` runs ``a`` (an update: any replica of its stage)."""
+    if a.stage >= where.num_stages:
+        raise ScheduleError(f"{a} is on rank {r} but there is no stage {a.stage}")
+    held = where.ranks[a.stage]
+    if a.kind is Kind.U:
+        if r not in held:
+            raise ScheduleError(f"{a} is on rank {r} but stage {a.stage} is placed on "
+                                + (f"rank {held[0]}" if len(held) == 1 else f"ranks {list(held)}"))
+    elif where.rank(a.stage, a.index) != r:
+        raise ScheduleError(f"{a} is on rank {r} but stage {a.stage} is placed on rank {held[0]}" if len(held) == 1
+                            else f"{a} is on rank {r} but stage {a.stage} runs minibatch {a.index} on rank "
+                                 f"{where.rank(a.stage, a.index)}")
+
+
+def _across(producer: Action, receive: Action, where: Replicated, lowered: bool, costs: Costs
             ) -> tuple[Action, float]:
     """The input ``producer`` gives: directly on the same rank, else through ``receive`` (or the latency)."""
-    if placement[producer.stage] == placement[receive.stage]:
+    m = producer.index
+    if where.rank(producer.stage, m) == where.rank(receive.stage, m):
         return producer, 0.0
     return (receive, 0.0) if lowered else (producer, costs.latency)
 
 
-def _check(acts: dict[int, list[Action]], placement: Mapping[int, int], lowered: bool) -> None:
-    counts = Counter(a for lst in acts.values() for a in lst)
+def _check(acts: dict[int, list[Action]], placement: Replicated, lowered: bool) -> None:
+    counts = Counter((a, r) if a.kind is Kind.U else a for r, lst in acts.items() for a in lst)
     twice = [a for a, c in counts.items() if c > 1]
     if twice:
-        raise ScheduleError(f"{twice[0]} appears {counts[twice[0]]} times")
+        shown = twice[0] if isinstance(twice[0], Action) else f"{twice[0][0]} on rank {twice[0][1]}"
+        raise ScheduleError(f"{shown} appears {counts[twice[0]]} times")
     where = {a: r for r, lst in acts.items() for a in lst}
     has_backward = any(a.kind in (Kind.B, Kind.I) for a in where)
-    last = max(placement, default=0)
+    last = placement.num_stages - 1
     for a, r in where.items():
         s, m = a.stage, a.index
         if a.kind in (Kind.B, Kind.I) and Action(s, Kind.F, m) not in where:
@@ -184,24 +229,26 @@ def _check(acts: dict[int, list[Action]], placement: Mapping[int, int], lowered:
         for a, r in where.items():
             s, m = a.stage, a.index
             recv = None
-            if a.kind == Kind.F and s > 0 and placement[s - 1] != r:
+            if a.kind == Kind.F and s > 0 and placement.rank(s - 1, m) != r:
                 recv = Action(s, Kind.RECV_F, m)
-            elif a.kind in (Kind.B, Kind.I) and s < last and placement[s + 1] != r:
+            elif a.kind in (Kind.B, Kind.I) and s < last and placement.rank(s + 1, m) != r:
                 recv = Action(s, Kind.RECV_B, m)
             if recv is not None and where.get(recv) != r:
                 raise ScheduleError(f"{a} on rank {r} needs {recv} (its input from rank "
-                                    f"{placement[s - 1 if a.kind == Kind.F else s + 1]}), which rank {r} never runs")
+                                    f"{placement.rank(s - 1 if a.kind == Kind.F else s + 1, m)}), which rank {r} "
+                                    "never runs")
 
 
-def _check_message(a: Action, r: int, where: dict[Action, int], placement: Mapping[int, int]) -> None:
+def _check_message(a: Action, r: int, where: dict[Action, int], placement: Replicated) -> None:
     s, m = a.stage, a.index
     peer_stage = {Kind.SEND_F: s + 1, Kind.RECV_F: s - 1, Kind.SEND_B: s - 1, Kind.RECV_B: s + 1}[a.kind]
-    if peer_stage not in placement:
+    if not 0 <= peer_stage < placement.num_stages:
         raise ScheduleError(f"{a} on rank {r}: stage {peer_stage} does not exist")
     peer_kind = {Kind.SEND_F: Kind.RECV_F, Kind.RECV_F: Kind.SEND_F, Kind.SEND_B: Kind.RECV_B,
                  Kind.RECV_B: Kind.SEND_B}[a.kind]
     peer = Action(peer_stage, peer_kind, m)
-    if placement[peer_stage] == r:
+    there = placement.rank(peer_stage, m)
+    if there == r:
         raise ScheduleError(f"{a} on rank {r}: stages {s} and {peer_stage} are both on rank {r}, nothing to send")
-    if where.get(peer) != placement[peer_stage]:
-        raise ScheduleError(f"{a} on rank {r} is never met: rank {placement[peer_stage]} never runs {peer}")
+    if where.get(peer) != there:
+        raise ScheduleError(f"{a} on rank {r} is never met: rank {there} never runs {peer}")
