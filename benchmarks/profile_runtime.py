@@ -97,8 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--forward-ms", type=float, default=0.0)
     p.add_argument("--backward-ms", type=float, default=0.0)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--rank", type=int, default=None, help="the rank to profile (default: the middle one, or the last "
+                                                           "of two)")
     a = p.parse_args(argv)
-    profiled = a.stages // 2 if a.stages > 2 else a.stages - 1
+    profiled = a.rank if a.rank is not None else a.stages // 2 if a.stages > 2 else a.stages - 1
     outs = run_world(_rank, (a.stages, a.minibatches, a.mode, a.forward_ms, a.backward_ms, a.top, profiled),
                      a.stages, 600.0, "profile")
     print(f"{a.stages} stages, mode {a.mode}, F/B {a.forward_ms:g}/{a.backward_ms:g} ms, {a.minibatches} minibatches; "

@@ -47,7 +47,8 @@ def test_every_mode_lowers_to_messages_that_meet(mode):
     plan = plan_for(mlp(), P3)
     lowered = _lowered(plan, mode, 0, 12)
     _messages_meet(lowered, Replicated.of([s.ranks for s in plan.stages]))
-    assert [str(a) for a in lowered[1][:4]] == ["1RECV_F0", "1F0", "1SEND_F0", "1RECV_F1"]
+    # receives as early as they are useful: the next forward's input on its way, the gradient's after the send
+    assert [str(a) for a in lowered[1][:6]] == ["1RECV_F0", "1RECV_F1", "1F0", "1SEND_F0", "1RECV_B0", "1RECV_F2"]
     # a compute action's input is received before it, on its own rank
     for rank, acts in lowered.items():
         seen: set[Action] = set()

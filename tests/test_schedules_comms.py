@@ -72,3 +72,23 @@ def test_updates_follow_each_stage_last_backward():
     with pytest.raises(ScheduleError, match="already has updates"):
         add_updates(with_updates)
     assert add_updates({0: [Action(0, Kind.F, 0)]}) == {0: [Action(0, Kind.F, 0)]}
+
+
+def test_receives_move_as_early_as_they_are_useful_and_the_list_still_runs():
+    from pipedream_ft.schedules.comms import post_receives_early
+
+    lowered = add_communication(one_f_one_b(3, 4))
+    early = post_receives_early(lowered)
+    assert text(early)[1] == ("1RECV_F0 1RECV_F1 1F0 1SEND_F0 1RECV_B0 1RECV_F2 1F1 1SEND_F1 1RECV_B1 1B0 1SEND_B0 "
+                              "1RECV_F3 1F2 1SEND_F2 1RECV_B2 1B1 1SEND_B1 1F3 1SEND_F3 1RECV_B3 1B2 1SEND_B2 1B3 "
+                              "1SEND_B3")
+    for rank in lowered:
+        assert sorted(early[rank]) == sorted(lowered[rank])  # the same actions, receives moved only
+        assert [a for a in early[rank] if a.kind.value[:4] != "RECV"] == \
+            [a for a in lowered[rank] if a.kind.value[:4] != "RECV"]
+    assert simulate(early).step_time == simulate(lowered).step_time
+    # a stage whose backwards do not follow its forwards' order keeps its gradient receives where they were
+    sched = parse(["0F0 0F1 0B1 0B0", "1F0 1F1 1B1 1B0"])
+    moved = post_receives_early(add_communication(sched))
+    assert [str(a) for a in moved[0] if a.kind == Kind.RECV_B] == ["0RECV_B1", "0RECV_B0"]
+    simulate(moved)

@@ -97,9 +97,9 @@ def test_deadlock_names_the_actions():
     # rank 0 waits for the gradient of minibatch 0 before sending minibatch 1, which rank 1 forwards first
     with pytest.raises(ScheduleError, match=r"^deadlock: rank 0 at 0B0 waits for 1B0; rank 1 at 1F1 waits for 0F1$"):
         simulate(parse(["0F0 0B0 0F1 0B1", "1F1 1F0 1B0 1B1"]))
-    # a send placed before the forward that produces its tensor
+    # a send placed before the forward that produces its tensor (the receive is posted: its forward waits)
     with pytest.raises(ScheduleError, match=r"^deadlock: rank 0 at 0SEND_F0 waits for 0F0; "
-                                            r"rank 1 at 1RECV_F0 waits for 0SEND_F0$"):
+                                            r"rank 1 at 1F0 waits for 0SEND_F0$"):
         simulate(parse(["0SEND_F0 0F0 0RECV_B0 0B0", "1RECV_F0 1F0 1B0 1SEND_B0"]))
 
 
@@ -152,3 +152,12 @@ def test_costs_are_checked():
     with pytest.raises(ValueError, match=r"no costs for stage 2 \(2F0\): costs cover 2 stages"):
         simulate(one_f_one_b(3, 1), Costs.uniform(2))
     assert Costs.uniform(1, 1, 2, 3).of(Action(0, Kind.B, 0)) == 5
+
+
+def test_a_receive_posted_long_before_its_send_waits_for_nothing():
+    # rank 1 posts every receive up front; its forwards wait for the data, not its posting order
+    early = simulate(parse(["0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
+                            "1RECV_F0 1RECV_F1 1F0 1B0 1SEND_B0 1F1 1B1 1SEND_B1"]))
+    late = simulate(parse(["0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
+                           "1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1"]))
+    assert early.step_time == late.step_time == 9  # F 1, B 2 (I + W): 0F0 0F1 | 1F0 1B0 | 0B0 1F1 1B1 | 0B1

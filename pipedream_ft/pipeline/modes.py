@@ -25,7 +25,7 @@ from typing import ClassVar
 
 from partitioner.plan import PlanError
 
-from ..schedules.comms import add_communication
+from ..schedules.comms import add_communication, post_receives_early
 from ..schedules.placement import Replicated
 from ..schedules.window import ScheduleSpec, WindowSchedule, resolve_schedule
 from ..schedules.actions import Action
@@ -62,12 +62,13 @@ class Mode(ABC):
     def lowered(self, topo: Topology, start: int, stop: int) -> list[Action]:
         """This rank's actions for minibatches ``[start, stop)`` with the sends and receives that connect them to
         its neighbours' (:func:`~pipedream_ft.schedules.add_communication` over every rank's :meth:`schedule`):
-        the list the executor runs, in order. A receive is posted where the list has it — ahead of the compute
-        that waits for it."""
+        the list the executor runs, in order, its receives moved as early as they are useful
+        (:func:`~pipedream_ft.schedules.comms.post_receives_early`): a message never waits for its receive."""
         plan = topo.plan
         every = {r: self.schedule(topo if r == topo.rank else Topology.of(plan, r), start, stop)
                  for r in range(plan.world_size)}
-        return add_communication(every, Replicated.of([s.ranks for s in plan.stages]))[topo.rank]
+        lowered = add_communication(every, Replicated.of([s.ranks for s in plan.stages]))
+        return post_receives_early({topo.rank: lowered[topo.rank]})[topo.rank]
 
     def window(self, topo: Topology) -> int:
         """Runs of minibatches (and checkpoint cuts) must start and end on multiples of this."""

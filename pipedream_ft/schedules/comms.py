@@ -19,7 +19,7 @@ from .actions import BACKWARD, COMMUNICATION, Action, Kind, Schedule
 from .errors import ScheduleError
 from .placement import PlacementLike, Replicated, as_replicated, stage_to_rank
 
-__all__ = ["add_communication", "messages_of"]
+__all__ = ["add_communication", "messages_of", "post_receives_early"]
 
 
 def messages_of(action: Action, placement: PlacementLike) -> tuple[Action, Action] | None:
@@ -105,4 +105,56 @@ def add_communication(schedule: Schedule, placement: PlacementLike | None = None
                               f"{' or '.join(str(Action(*w)) for w in needs(q[0])[1:])}"
                               for r, q in queues.items() if q)
             raise ScheduleError(f"cannot place the messages, the schedule deadlocks: {stuck}")
+    return out
+
+
+def post_receives_early(schedule: Schedule) -> dict[int, list[Action]]:
+    """``schedule`` (lowered by :func:`add_communication`) with each receive moved as early as it is useful, so that
+    a message never waits for its receive to be posted (gloo, for one, sends only once the receiver is ready):
+
+    * ``RECV_B m`` right after ``SEND_F m`` on the same rank — the gradient's shape is that of the activation just
+      sent — when the stage runs its backwards in the order of its forwards (so a link's receives stay in the
+      order of its sends);
+    * ``RECV_F`` of a stage's forward right before the stage's previous forward on the rank — two forwards' inputs
+      on their way while one computes.
+
+    Receives keep their order among themselves per stage and kind; every other action keeps its place.
+    """
+    out: dict[int, list[Action]] = {}
+    for rank, acts in sorted(schedule.items()):
+        lst = [a for a in acts if a is not None]
+        present = set(lst)
+        forwards: dict[int, list[int]] = {}
+        backwards: dict[int, list[int]] = {}
+        for a in lst:
+            if a.kind is Kind.F:
+                forwards.setdefault(a.stage, []).append(a.index)
+            elif a.kind in BACKWARD:
+                backwards.setdefault(a.stage, []).append(a.index)
+        in_order = {s for s, f in forwards.items() if backwards.get(s, f) == f}
+        following = {(s, f[k]): f[k + 1] for s, f in forwards.items() for k in range(len(f) - 1)}
+        first = {(s, f[0]) for s, f in forwards.items() if f}
+        lowered: list[Action] = []
+        for a in lst:
+            if a.kind is Kind.RECV_F:
+                continue  # placed with the forwards below
+            if a.kind is Kind.RECV_B and a.stage in in_order and \
+                    Action.trusted(a.stage, Kind.SEND_F, a.index) in present:
+                continue  # placed after its activation's send below
+            if a.kind is Kind.F:
+                wanted = [a.index] if (a.stage, a.index) in first else []
+                if (a.stage, a.index) in following:
+                    wanted.append(following[(a.stage, a.index)])
+                for m in wanted:
+                    recv = Action.trusted(a.stage, Kind.RECV_F, m)
+                    if recv in present:
+                        lowered.append(recv)
+            lowered.append(a)
+            if a.kind is Kind.SEND_F and a.stage in in_order:
+                recv = Action.trusted(a.stage, Kind.RECV_B, a.index)
+                if recv in present:
+                    lowered.append(recv)
+        if len(lowered) != len(lst):
+            raise ScheduleError(f"rank {rank}: moving the receives early lost actions ({len(lst)} -> {len(lowered)})")
+        out[rank] = lowered
     return out

@@ -3,9 +3,9 @@
 Every rank runs its actions in order, each as soon as its inputs exist: ``F`` of stage ``s`` needs ``F`` of
 stage ``s - 1``; ``B``/``I`` needs the same stage's ``F`` and the gradient from stage ``s + 1`` (its ``B`` or
 ``I``); ``W`` needs the same stage's ``I``. In a schedule with communication an input from another rank
-arrives through the receive (``RECV_F``/``RECV_B``), which completes when its send has run, plus
-``costs.latency``; receives are posted without waiting (the consumer waits), a send waits for the action
-that produces its tensor. In a compute-only schedule the inputs pass directly (plus the latency across
+arrives through the receive (``RECV_F``/``RECV_B``): the consumer waits for the receive to be posted and for
+its send to have run, plus ``costs.latency``; posting a receive waits for nothing (a receive may be posted long
+before its send), and a send waits for the action that produces its tensor. In a compute-only schedule the inputs pass directly (plus the latency across
 ranks). Sends, receives and idle slots take no time.
 
 Before running, the schedule is checked whole: each action once, each backward with its forward, ``W``
@@ -88,11 +88,11 @@ def simulate(schedule: Schedule, costs: Costs | None = None, placement: Placemen
         """What ``a`` waits for, each with the delay after its end."""
         s, m = a.stage, a.index
         if a.kind == Kind.F and s > 0:
-            return [_across(Action(s - 1, Kind.F, m), Action(s, Kind.RECV_F, m), where, lowered, costs)]
+            return _across(Action(s - 1, Kind.F, m), Action(s, Kind.RECV_F, m), where, lowered, costs)
         if a.kind in BACKWARD:
             out = [(Action(s, Kind.F, m), 0.0)]
             if s < last:
-                out.append(_across(gradient_of(s + 1, m), Action(s, Kind.RECV_B, m), where, lowered, costs))
+                out += _across(gradient_of(s + 1, m), Action(s, Kind.RECV_B, m), where, lowered, costs)
             return out
         if a.kind == Kind.W:
             return [(Action(s, Kind.I, m), 0.0)]
@@ -100,14 +100,9 @@ def simulate(schedule: Schedule, costs: Costs | None = None, placement: Placemen
             return [(Action(s, Kind.F, m), 0.0)]
         if a.kind == Kind.SEND_B:
             return [(gradient_of(s, m), 0.0)]
-        if a.kind == Kind.RECV_F:
-            return [(Action(s - 1, Kind.SEND_F, m), costs.latency)]
-        if a.kind == Kind.RECV_B:
-            return [(Action(s + 1, Kind.SEND_B, m), costs.latency)]
-        return []
+        return []  # a receive is only posted: it waits for nothing (its consumer waits for the data)
 
     end: dict[Action, float] = {}
-    ready_at: dict[Action, float] = {}  # a receive: when its data is there (posting it does not wait)
     clock = {r: 0.0 for r in acts}
     pos = {r: 0 for r in acts}
     spans: dict[int, list[Span]] = {r: [] for r in acts}
@@ -138,17 +133,12 @@ def simulate(schedule: Schedule, costs: Costs | None = None, placement: Placemen
                     progress = True
                     continue
                 waits = deps(a)
-                if any(d not in end and d not in ready_at for d, _ in waits):
+                if any(d not in end for d, _ in waits):
                     break
-                arrive = max((ready_at.get(d, end.get(d, 0.0)) + delay for d, delay in waits), default=0.0)
-                if a.kind in (Kind.RECV_F, Kind.RECV_B):
-                    ready_at[a] = arrive
-                    start = clock[r]
-                    end[a] = start
-                else:
-                    start = max(clock[r], arrive)
-                    end[a] = start + costs.of(a)
-                    clock[r] = end[a]
+                arrive = max((end[d] + delay for d, delay in waits), default=0.0)
+                start = max(clock[r], arrive)
+                end[a] = start + costs.of(a)
+                clock[r] = end[a]
                 spans[r].append(Span(a, start, end[a]))
                 pos[r] += 1
                 progress = True
@@ -161,7 +151,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, placement: Placemen
                         missing = [f"rank {h}" for h in holders[a.stage]
                                    if not (pos[h] < len(acts[h]) and acts[h][pos[h]] == a)]
                     else:
-                        missing = [str(d) for d, _ in deps(a) if d not in end and d not in ready_at]
+                        missing = [str(d) for d, _ in deps(a) if d not in end]
                     stuck.append(f"rank {r} at {a} waits for {' and '.join(missing)}")
             raise ScheduleError("deadlock: " + "; ".join(stuck))
     step = max((s.end for lst in spans.values() for s in lst), default=0.0)
@@ -185,12 +175,17 @@ def _check_rank(a: Action, r: int, where: Replicated) -> None:
 
 
 def _across(producer: Action, receive: Action, where: Replicated, lowered: bool, costs: Costs
-            ) -> tuple[Action, float]:
-    """The input ``producer`` gives: directly on the same rank, else through ``receive`` (or the latency)."""
+            ) -> list[tuple[Action, float]]:
+    """What the input ``producer`` gives waits for: the producer on the same rank; across ranks, in a schedule with
+    communication, the posted ``receive`` and the matching send (plus the latency), else the producer plus the
+    latency."""
     m = producer.index
     if where.rank(producer.stage, m) == where.rank(receive.stage, m):
-        return producer, 0.0
-    return (receive, 0.0) if lowered else (producer, costs.latency)
+        return [(producer, 0.0)]
+    if not lowered:
+        return [(producer, costs.latency)]
+    send = Action(producer.stage, Kind.SEND_F if receive.kind is Kind.RECV_F else Kind.SEND_B, m)
+    return [(receive, 0.0), (send, costs.latency)]
 
 
 def _check(acts: dict[int, list[Action]], placement: Replicated, lowered: bool) -> None:
