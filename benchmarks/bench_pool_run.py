@@ -101,8 +101,38 @@ def analyse(run: dict[str, Any]) -> dict[str, Any]:
             "rates": {j["name"]: [(l["workers"], l["first_update"], l["ended"]) for l in j["launches"]] for j in jobs}}
 
 
+def calibration(job: dict, curve: dict[int, float]) -> float:
+    """How much faster than its curve ``job`` ran, over all its launches: the minibatches each launch trained
+    (from its start to the next launch's start, or to the job's end) against what the curve gives for that
+    launch's worker count over its training time (first update to end). Falls back to the latest launch's
+    measured rate."""
+    ls = sorted(job["launches"], key=lambda l: l["requested"])
+    done = trained = 0.0
+    for i, l in enumerate(ls):
+        if not (l["first_update"] and l["ended"]) or l.get("start_progress") is None:
+            continue
+        end_progress = ls[i + 1].get("start_progress") if i + 1 < len(ls) else job["steps"]
+        if end_progress is None:
+            continue
+        done += max(0, end_progress - l["start_progress"])
+        trained += curve[l["workers"]] * max(0.0, l["ended"] - l["first_update"])
+    if done and trained:
+        return done / trained
+    last = ls[-1]["workers"]
+    return (job["throughput"] or curve[last]) / curve[last]
+
+
+def startup(job: dict, floor: float) -> float:
+    """The job's own first start-up (request to first update), else the run's median one."""
+    ls = sorted(job["launches"], key=lambda l: l["requested"])
+    if ls and ls[0]["first_update"]:
+        return ls[0]["first_update"] - ls[0]["requested"]
+    return floor
+
+
 def predict(policy: str, jobs: list[dict], resize_cost: float, floor: float, files: Path) -> dict[str, float]:
-    """The simulator on the same workload: curves from the partitioner, scaled to each job's measured speed."""
+    """The simulator on the same workload: curves from the partitioner, scaled to each job's measured speed over all
+    its launches, plus each job's own measured start-up."""
     from pipedream_ft.pool import Job, PlanSettings, ThroughputModel, simulate
 
     tm = ThroughputModel({"sleep": files / "sleep.prof.json", "digits": PROFILE}, PlanSettings(bandwidth=1e10))
@@ -112,10 +142,9 @@ def predict(policy: str, jobs: list[dict], resize_cost: float, floor: float, fil
     for j in jobs:
         name, _, kind, lo, hi, steps = spec[j["name"]]
         curve = tm.curve(kind, range(lo, hi + 1))
-        measured = [(l["workers"], j["steps"]) for l in j["launches"]]
-        scale = (j["throughput"] or curve[measured[-1][0]]) / curve[measured[-1][0]]
+        scale = calibration(j, curve)
         curves[name] = {n: r * scale for n, r in curve.items()}
-        duration = steps / curves[name][hi] + floor
+        duration = steps / curves[name][hi] + startup(j, floor)
         sim_jobs.append(Job(name, j["submitted"] - first, kind, hi, duration, min_workers=lo, max_workers=hi))
     # the service counts a round-robin slice from the job's first update, the simulator from the decision:
     # the same slice there is the quantum plus the restart

@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--hold", nargs=2, default=None, metavar=("MINIBATCH", "FILE"),
                     type=lambda v: int(v) if v.isdigit() else v,
                     help="wait before minibatch MINIBATCH's data while FILE exists (a test's hold on training)")
+    ap.add_argument("--meta", action="store_true",
+                    help="build the model on the meta device: each process materialises and seeds its stage only")
     ap.add_argument("--linger", default=None,
                     help="before closing the trainer, wait until this file exists (keeps the job alive)")
     args = ap.parse_args()
@@ -78,7 +80,11 @@ def main() -> None:
         return data(b)
 
     options = json.loads(args.storage_options) if args.storage_options else None
-    model = mlp()
+    if args.meta:
+        with torch.device("meta"):
+            model = mlp()
+    else:
+        model = mlp()
     stages = [[0, 1], [2, 3], [4, 5], [6, 7, 8]]
     if args.odd_replacement and read_env().incarnation > 0:
         stages = [[0, 1, 2], [3], [4, 5], [6, 7, 8]]

@@ -68,3 +68,29 @@ def test_a_send_or_receive_out_of_order_is_refused_naming_it(text: str, says: st
     ex = _executor(2)
     with pytest.raises(PipelineSetupError, match=f"stage 2: {says}: the lowered schedule is out of order"):
         ex.run(parse_action(text), None)  # type: ignore[arg-type]
+
+
+def test_a_hook_list_calls_each_hook_that_does_something_for_an_action_in_order() -> None:
+    from pipedream_ft.pipeline.hooks import HookList
+
+    calls: list[str] = []
+
+    class Actions(Hooks):
+        def on_action(self, action) -> None:  # type: ignore[no-untyped-def]
+            calls.append(f"action {action}")
+
+    class Updates(Hooks):
+        def on_update(self, round_: int, done: int, start: float, end: float) -> None:
+            calls.append(f"update {round_}")
+
+        def on_train_end(self, start: int, stop: int) -> None:
+            calls.append("end")
+
+    hooks = HookList([Actions(), Hooks(), Updates()])
+    hooks.add(Actions())
+    hooks.on_action(parse_action("1F2"))
+    hooks.on_update(3, 4, 0.0, 1.0)
+    hooks.on_forward(2, 0.0, 1.0)
+    hooks.on_train_end(0, 4)
+    assert calls == ["action 1F2", "action 1F2", "update 3", "end"]
+    assert len(hooks.hooks) == 4

@@ -131,6 +131,20 @@ CASES = {
 }
 
 
+def test_a_meta_built_job_is_replaced_in_place_bitwise(tmp_path, reference):
+    """Built on the meta device, each process materialising and seeding its own stage: a rank killed mid-run is
+    replaced by a process that builds on meta again and restores its stage from the memory tier, and the run ends
+    where an uninterrupted meta-built run ends, bitwise."""
+    uninterrupted = summary(*torchrun(tmp_path / "straight", "", "--meta"))
+    assert uninterrupted["recoveries"] == [] and len(uninterrupted["losses"]) == TOTAL
+    proc, out = torchrun(tmp_path / "killed", "kill@rank=2,step=21", "--meta")
+    info = summary(proc, out)
+    assert "starting replacement 1" in info["log"] and len(info["recoveries"]) == 1, info["log"][-3000:]
+    straight = torch.load(tmp_path / "straight" / "final.pt")
+    assert_bitwise(out, straight)
+    assert any(not torch.equal(straight[k], v) for k, v in reference.items())  # seeded per layer, not mlp()'s init
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_in_place_recovery(case, reference, tmp_path):
     faults, failed_at, replaced, text = CASES[case]

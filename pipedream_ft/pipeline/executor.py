@@ -414,12 +414,21 @@ class Executor:
         wrt_params, targets = self._weights(rec)
         wrt_inputs = self._grad_inputs(rec)
         wrt = wrt_params + wrt_inputs
-        if roots and wrt:
-            got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
+        if roots and wrt and len(wrt_params) == len(targets) and all(w is t for w, t in zip(wrt_params, targets)):
+            # the forward read the live weights themselves: autograd adds each weight's gradient into its ``grad``
+            # as it goes, so no second copy of the stage's gradients ever exists (a flush window accumulates)
+            torch.autograd.backward(roots, grads, inputs=wrt)
+            in_grads = [t.grad for t in wrt_inputs]
+            for t in wrt_inputs:
+                t.grad = None
+            self._send_input_grads(b, wrt_inputs, in_grads)
         else:
-            got = (None,) * len(wrt)
-        self._accumulate(targets, got[: len(wrt_params)])
-        self._send_input_grads(b, wrt_inputs, got[len(wrt_params):])
+            if roots and wrt:
+                got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
+            else:
+                got = (None,) * len(wrt)
+            self._accumulate(targets, got[: len(wrt_params)])
+            self._send_input_grads(b, wrt_inputs, got[len(wrt_params):])
         self.stats.backward_s += time.perf_counter() - t0
         self.stats.minibatches += 1
         self.hooks.on_backward(b, w0, time.time())

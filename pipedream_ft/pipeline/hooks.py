@@ -50,42 +50,52 @@ class Hooks:
         """The trainer is closing: release files and threads."""
 
 
+_HOT = ("on_action", "on_forward", "on_backward", "on_weight_backward", "on_update", "on_wait")
+"""The calls made for every action: only the hooks that override one are called for it."""
+
+
 class HookList(Hooks):
-    """Calls every hook in order."""
+    """Calls every hook in order (for the per-action calls, only the hooks that do something there)."""
 
     def __init__(self, hooks: Iterable[Hooks] = ()) -> None:
-        self.hooks: list[Hooks] = list(hooks)
+        self.hooks: list[Hooks] = []
+        self._hot: dict[str, list[Any]] = {name: [] for name in _HOT}
+        for h in hooks:
+            self.add(h)
 
     def add(self, hook: Hooks) -> None:
         self.hooks.append(hook)
+        for name in _HOT:
+            if getattr(type(hook), name) is not getattr(Hooks, name):
+                self._hot[name].append(getattr(hook, name))
 
     def on_train_start(self, start: int, stop: int) -> None:
         for h in self.hooks:
             h.on_train_start(start, stop)
 
     def on_action(self, action: Action) -> None:
-        for h in self.hooks:
-            h.on_action(action)
+        for call in self._hot["on_action"]:
+            call(action)
 
     def on_forward(self, minibatch: int, start: float, end: float) -> None:
-        for h in self.hooks:
-            h.on_forward(minibatch, start, end)
+        for call in self._hot["on_forward"]:
+            call(minibatch, start, end)
 
     def on_backward(self, minibatch: int, start: float, end: float) -> None:
-        for h in self.hooks:
-            h.on_backward(minibatch, start, end)
+        for call in self._hot["on_backward"]:
+            call(minibatch, start, end)
 
     def on_weight_backward(self, minibatch: int, start: float, end: float) -> None:
-        for h in self.hooks:
-            h.on_weight_backward(minibatch, start, end)
+        for call in self._hot["on_weight_backward"]:
+            call(minibatch, start, end)
 
     def on_update(self, round_: int, done: int, start: float, end: float) -> None:
-        for h in self.hooks:
-            h.on_update(round_, done, start, end)
+        for call in self._hot["on_update"]:
+            call(round_, done, start, end)
 
     def on_wait(self, what: str, minibatch: int, peer: int, start: float, end: float) -> None:
-        for h in self.hooks:
-            h.on_wait(what, minibatch, peer, start, end)
+        for call in self._hot["on_wait"]:
+            call(what, minibatch, peer, start, end)
 
     def on_checkpoint(self, cut: int, start: float, end: float, snapshot_s: float) -> None:
         for h in self.hooks:

@@ -74,7 +74,8 @@ def job_json(svc: PoolService, job: dict[str, Any], launches: list[dict[str, Any
             "started": job["started"], "finished": job["finished"], "failures": job["failures"],
             "reason": job["reason"], "ckpt_url": job["ckpt_url"], "argv": job["argv"],
             "launches": [{k: l[k] for k in ("id", "workers", "slots", "pid", "requested", "started", "first_update",
-                                             "stop", "stop_requested", "ended", "exit_status", "outcome")}
+                                             "start_progress", "stop", "stop_requested", "ended", "exit_status",
+                                             "outcome")}
                          for l in launches],
             "allocations": [[a["time"], a["workers"]] for a in svc.store.allocations(job["id"])]}
 
