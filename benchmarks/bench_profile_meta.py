@@ -16,7 +16,10 @@ and the load average before and after (the figures are only as good as the machi
 (default 1) sets torch's threads: on an oversubscribed machine a multi-threaded kernel waits for its slowest
 thread, which makes single layers tens of times slower at random.
 
-Measured (``--rounds 3``, 1 thread, a shared 2-core machine at load average 16-18, i.e. far from idle):
+Measured (``--rounds 3``, 1 thread) on the 2-core machine with nothing else running (load average 0.9):
+GPT, meta/whole per layer median 1.016, all 24 layers that matter within 10 % (the worst 1.05), overall 1.022;
+Llama, per layer median 0.982, all 5 within 10 %, overall 0.988. On the same machine shared with other work
+(load average 16-18, i.e. far from idle):
 GPT, meta/whole per layer median 0.955 (59 % of 17 layers within 10 %), overall 0.949; Llama, per layer median
 1.065 (all 5 layers within 10 %), overall 1.054. On that machine with 2 threads the same run gave ratios from
 0.1 to 14: the noise, not the method (a layer of the whole model against itself varied 5-fold between rounds).
