@@ -65,14 +65,7 @@ def async_1f1b(stage: int, replica: int, replicas: Sequence[int], start: int, st
 
 def flushing(stage: int, replica: int, replicas: Sequence[int], start: int, stop: int, window: int) -> list[Action]:
     """1F1B inside windows of ``window`` minibatches, one update per window (the pipeline flushes)."""
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    _check_window(start, stop, replicas)
-    if (stop - start) % window or start % window:
-        raise ValueError(f"minibatches [{start}, {stop}) are not whole windows of {window}")
-    lcm = math.lcm(*replicas)
-    if window % lcm:
-        raise ValueError(f"window {window} must be a multiple of every stage's replica count (lcm {lcm})")
+    _check_windows(start, stop, replicas, window)
     actions: list[Action] = []
     for w in range(start // window, stop // window):
         mine = replica_minibatches(replica, replicas[stage], w * window, (w + 1) * window)
@@ -119,14 +112,7 @@ def double_buffered(stage: int, replica: int, replicas: Sequence[int], start: in
                     window: int) -> list[Action]:
     """PipeDream-2BW: asynchronous 1F1B (no flush) with one update per window of ``window`` minibatches, right
     after this replica's last backward of the window."""
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    _check_window(start, stop, replicas)
-    if (stop - start) % window or start % window:
-        raise ValueError(f"minibatches [{start}, {stop}) are not whole windows of {window}")
-    lcm = math.lcm(*replicas)
-    if window % lcm:
-        raise ValueError(f"window {window} must be a multiple of every stage's replica count (lcm {lcm})")
+    _check_windows(start, stop, replicas, window)
     mine = replica_minibatches(replica, replicas[stage], start, stop)
     k = min(in_flight(stage, replicas), len(mine))
     actions = [Action.trusted(stage, Kind.F, b) for b in mine[:k]]
@@ -137,6 +123,19 @@ def double_buffered(stage: int, replica: int, replicas: Sequence[int], start: in
         if i + k < len(mine):
             actions.append(Action.trusted(stage, Kind.F, mine[i + k]))
     return actions
+
+
+def _check_windows(start: int, stop: int, replicas: Sequence[int], window: int) -> None:
+    """Raise ValueError unless ``[start, stop)`` is whole windows of ``window`` minibatches, a multiple of every
+    stage's replica count."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    _check_window(start, stop, replicas)
+    if (stop - start) % window or start % window:
+        raise ValueError(f"minibatches [{start}, {stop}) are not whole windows of {window}")
+    lcm = math.lcm(*replicas)
+    if window % lcm:
+        raise ValueError(f"window {window} must be a multiple of every stage's replica count (lcm {lcm})")
 
 
 def _check_window(start: int, stop: int, replicas: Sequence[int]) -> None:
