@@ -180,7 +180,7 @@ def _throughput_rows(case: Case, res: list[dict[str, Any]]) -> dict[str, float]:
 def _print_tables(cases: list[Case], results: list[list[dict[str, Any]]]) -> bool:
     ok = True
     print()
-    print("Throughput (minibatches/s; Schedule1F1B: microbatches/s), 4 CPU processes, gloo")
+    print(f"Throughput (minibatches/s; Schedule1F1B: microbatches/s), {cases[0].stages} CPU processes, gloo")
     head = (f"{'F/B ms':>8} {'bound':>7} {'pd steady':>10} {'/bound':>7} {'pd whole':>9} {'1F1B x8':>8} "
             f"{'/bound':>7} {'pd/1F1B':>8}  targets")
     print(head)
