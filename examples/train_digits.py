@@ -31,6 +31,7 @@ from torch import nn
 import pipedream_ft  # noqa: E402
 from pipedream_ft_examples.models import digits_cnn  # noqa: E402
 from partitioner.plan import Plan, load_plan  # noqa: E402
+from pipedream_ft.env import setting  # noqa: E402
 from pipedream_ft.errors import PipelineSetupError  # noqa: E402
 from pipedream_ft import CheckpointConfig  # noqa: E402
 from pipedream_ft.policies import EveryNSteps  # noqa: E402
@@ -84,8 +85,9 @@ def _profile_beside(path: str) -> str:
 
 def plan_for_world(path: str, schedule: str = "1f1b") -> Plan:
     """The plan at ``path``, or — when torchrun runs another number of processes than it was made for — a plan for
-    that number, made from the profile beside it (``X.prof.json`` for ``X.plan.json``, if it is this plan's
-    model), with one line on rank 0 saying so; without that profile, a set-up error naming the command to run.
+    that number, made from the profile beside it (``X.prof.json`` for ``X.plan.json``) or else from
+    ``PIPEDREAM_FT_PROFILE`` (which the pool sets to the job's profile), if it is this plan's model, with one line
+    on rank 0 saying so; without that profile, a set-up error naming the command to run.
     Under a ``schedule`` that gives a process several stages the trainer checks the count itself."""
     from pipedream_ft.config import planned_schedule
     from pipedream_ft.virtual import runs_virtual
@@ -95,16 +97,19 @@ def plan_for_world(path: str, schedule: str = "1f1b") -> Plan:
     if plan.world_size == world or runs_virtual(planned_schedule(schedule, plan.settings)):
         return plan
     profile_path = _profile_beside(path)
-    if os.path.exists(profile_path):
+    given = setting("PIPEDREAM_FT_PROFILE")  # the job's profile, where a pool launched it
+    for candidate in [profile_path] + ([given] if given else []):
+        if not os.path.exists(candidate):
+            continue
         from profiler.profile import load_profile
         from pipedream_ft.ft.elastic import describe_plan, replan
 
-        profile = load_profile(profile_path)
+        profile = load_profile(candidate)
         if profile.structure_hash() == plan.profile_hash:
             new = replan(profile, world, plan.settings)
             if int(os.environ.get("RANK", "0")) == 0:
                 print(f"{path} is a plan for {plan.world_size} processes and {world} run it: re-planned from "
-                      f"{profile_path} for {world} ({describe_plan(new)})", flush=True)
+                      f"{candidate} for {world} ({describe_plan(new)})", flush=True)
             return new
     settings = plan.settings
     flags = f" --workers {world} --bandwidth {min(float(b) for b in settings.get('bandwidth') or [1e9]):g}"

@@ -28,6 +28,8 @@ SETTINGS = {
     "PIPEDREAM_FT_METRICS_DIR": "where each rank writes its metrics lines (PipelineConfig.metrics_dir)",
     "PIPEDREAM_FT_SECRET": "the job's secret, signing its store keys and memory-tier parts (ft/secret.py)",
     "PIPEDREAM_FT_FAULTS": "faults to inject, for tests and drills (ft/faults.py)",
+    "PIPEDREAM_FT_PROFILE": "the model's profile, for a script that re-plans when it runs on another number of "
+                            "processes than its plan's (the pool sets it to each job's submitted profile)",
     "XDG_RUNTIME_DIR": "this user's private runtime directory, home of the job's key (ft/secret.py)",
 }
 """The environment variables :func:`setting` reads, and what each is for."""

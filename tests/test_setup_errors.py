@@ -69,3 +69,43 @@ def test_the_example_re_plans_from_the_profile_beside_the_plan(tmp_path, profile
     assert proc.stdout.count("gpt.plan.json is a plan for 4 processes and 3 run it: re-planned from gpt.prof.json "
                              "for 3 (3 stages: ") == 1, proc.stdout
     assert "final loss" in proc.stdout
+
+
+def test_a_plan_for_another_count_is_re_planned_from_the_profile_a_pool_names(tmp_path, monkeypatch, capsys):
+    """A pool launches a job on fewer workers than its plan's, with no profile beside the plan: the example re-plans
+    from the job's profile, which the pool hands over as ``PIPEDREAM_FT_PROFILE``; without it, the one line."""
+    from pipedream_ft.errors import PipelineSetupError
+    from pipedream_ft_examples.train_digits import plan_for_world
+    from pool_service_fixtures import PROFILE, digits_plan
+
+    plan_path = digits_plan(2, tmp_path / "digits-2.plan.json")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("PIPEDREAM_FT_PROFILE", raising=False)
+    with pytest.raises(PipelineSetupError, match=r"digits-2.plan.json is a plan for 2 processes, but 1 run it: "
+                                                 r"re-plan for 1 with `pipedream-partition .*digits-2.prof.json"):
+        plan_for_world(str(plan_path))
+    monkeypatch.setenv("PIPEDREAM_FT_PROFILE", str(PROFILE))
+    plan = plan_for_world(str(plan_path))
+    assert plan.world_size == 1 and plan.num_stages == 1
+    assert f"re-planned from {PROFILE} for 1" in capsys.readouterr().out
+
+
+def test_the_pool_hands_each_launch_its_jobs_profile(tmp_path) -> None:
+    """A real pool runs a script that writes what it was handed: the job's profile, as submitted."""
+    from pool_service_fixtures import PROFILE, Serve, kill_jobs, wait_for
+
+    script = tmp_path / "show_profile.py"
+    script.write_text("import os, sys\n"
+                      "open(sys.argv[1], 'w').write(os.environ.get('PIPEDREAM_FT_PROFILE', 'unset'))\n")
+    seen = tmp_path / "seen.txt"
+    state = tmp_path / "pool"
+    pool = Serve(state, "cpu:1", "--policy", "fifo", "--round-s", "1", "--tick-s", "0.3").start()
+    try:
+        pool.cli("submit", "--name", "show", "--min-workers", "1", "--max-workers", "1", "--profile", str(PROFILE),
+                 "--steps", "1", "--", str(script), str(seen), cwd=tmp_path)
+        job = wait_for(lambda: (j := pool.job("show"))["state"] in ("completed", "failed") and j, "the job to end")
+        assert seen.read_text() == str(PROFILE.resolve()), job
+    finally:
+        pool.stop()
+        kill_jobs(state)

@@ -303,7 +303,8 @@ class PoolService:
                                  at=now)
         with open(d / "log", "ab") as f:
             f.write(f"--- pool: launch {launch_id} on {n} workers (slots {slots}) ---\n".encode())
-        env = {**job["env"], "PIPEDREAM_FT_METRICS_DIR": str(d / "metrics"), "PIPEDREAM_FT_LOG_DIR": str(d / "ft-logs")}
+        env = {**job["env"], "PIPEDREAM_FT_METRICS_DIR": str(d / "metrics"), "PIPEDREAM_FT_LOG_DIR": str(d / "ft-logs"),
+               "PIPEDREAM_FT_PROFILE": job["profile"]}  # a launch on another count than the plan's re-plans from it
         try:
             h = self.runner.start(launch_dir, n, slots, job["argv"], job["cwd"], env, d / "log")
         except PoolError as exc:
