@@ -52,18 +52,7 @@ def add_communication(schedule: Schedule, placement: PlacementLike | None = None
         for a in queue:
             if a.kind in COMMUNICATION:
                 raise ScheduleError(f"rank {rank}'s schedule already has communication ({a})")
-            if a.stage >= where.num_stages:
-                raise ScheduleError(f"{a} is on rank {rank} but there is no stage {a.stage}")
-            if a.kind == Kind.U:
-                if not where.holds(rank, a.stage):
-                    raise ScheduleError(f"{a} is on rank {rank} but stage {a.stage} is placed on ranks "
-                                        f"{list(where.ranks[a.stage])}")
-            elif where.rank(a.stage, a.index) != rank:
-                held = where.ranks[a.stage]
-                raise ScheduleError(f"{a} is on rank {rank} but stage {a.stage} is placed on rank {held[0]}"
-                                    if len(held) == 1 else
-                                    f"{a} is on rank {rank} but stage {a.stage} runs minibatch {a.index} on rank "
-                                    f"{where.rank(a.stage, a.index)}")
+            where.check(a, rank)
     out: dict[int, list[Action]] = {r: [] for r in queues}
     have: dict[int, set[tuple[int, Kind, int]]] = {r: set() for r in queues}
     """What each rank has placed so far, as ``(stage, kind, index)`` (cheaper to hash than actions)."""

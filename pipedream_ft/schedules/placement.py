@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence, Union
 
-from .actions import Schedule
+from .actions import Action, Kind, Schedule
 from .errors import ScheduleError
 
 __all__ = ["loop_placement", "v_placement", "stage_to_rank", "check_counts", "Replicated", "PlacementLike",
@@ -87,6 +87,22 @@ class Replicated:
 
     def holds(self, rank: int, stage: int) -> bool:
         return 0 <= stage < len(self.ranks) and rank in self.ranks[stage]
+
+    def check(self, action: Action, rank: int) -> None:
+        """Raise :class:`ScheduleError` unless ``rank`` runs ``action``: the rank that runs its minibatch on its
+        stage, or, for an update, any replica of its stage."""
+        if action.stage >= len(self.ranks):
+            raise ScheduleError(f"{action} is on rank {rank} but there is no stage {action.stage}")
+        held = self.ranks[action.stage]
+        if action.kind is Kind.U:
+            if rank not in held:
+                raise ScheduleError(f"{action} is on rank {rank} but stage {action.stage} is placed on "
+                                    + (f"rank {held[0]}" if len(held) == 1 else f"ranks {list(held)}"))
+        elif self.rank(action.stage, action.index) != rank:
+            raise ScheduleError(
+                f"{action} is on rank {rank} but stage {action.stage} is placed on rank {held[0]}" if len(held) == 1
+                else f"{action} is on rank {rank} but stage {action.stage} runs minibatch {action.index} on rank "
+                     f"{self.rank(action.stage, action.index)}")
 
 
 PlacementLike = Union[Mapping[int, int], Replicated]

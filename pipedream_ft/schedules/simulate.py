@@ -72,7 +72,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, placement: Placemen
     where = as_replicated(placement if placement is not None else stage_to_rank(acts))
     for r, lst in acts.items():
         for a in lst:
-            _check_rank(a, r, where)
+            where.check(a, r)
     if costs is None:
         costs = Costs.uniform(max(where.num_stages, 1))
     lowered = any(a.kind in COMMUNICATION for lst in acts.values() for a in lst)
@@ -157,21 +157,6 @@ def simulate(schedule: Schedule, costs: Costs | None = None, placement: Placemen
     step = max((s.end for lst in spans.values() for s in lst), default=0.0)
     busy = {r: sum(s.end - s.start for s in lst if s.action.kind not in COMMUNICATION) for r, lst in spans.items()}
     return Timeline(spans=spans, step_time=step, busy=busy)
-
-
-def _check_rank(a: Action, r: int, where: Replicated) -> None:
-    """Raise :class:`ScheduleError` unless rank ``r`` runs ``a`` (an update: any replica of its stage)."""
-    if a.stage >= where.num_stages:
-        raise ScheduleError(f"{a} is on rank {r} but there is no stage {a.stage}")
-    held = where.ranks[a.stage]
-    if a.kind is Kind.U:
-        if r not in held:
-            raise ScheduleError(f"{a} is on rank {r} but stage {a.stage} is placed on "
-                                + (f"rank {held[0]}" if len(held) == 1 else f"ranks {list(held)}"))
-    elif where.rank(a.stage, a.index) != r:
-        raise ScheduleError(f"{a} is on rank {r} but stage {a.stage} is placed on rank {held[0]}" if len(held) == 1
-                            else f"{a} is on rank {r} but stage {a.stage} runs minibatch {a.index} on rank "
-                                 f"{where.rank(a.stage, a.index)}")
 
 
 def _across(producer: Action, receive: Action, where: Replicated, lowered: bool, costs: Costs
