@@ -167,8 +167,8 @@ class Executor:
         """Minibatches whose ``I`` ran and whose ``W`` has not."""
         self._act_recv: dict[int, RecvHandle] = {}
         self._grads_out: dict[int, list[torch.Tensor]] = {}
-        self._reparam: Reparametrized | None = None
         """Input gradients computed and not yet sent (``B``/``I`` ran, ``SEND_B`` has not)."""
+        self._reparam: Reparametrized | None = None
         self._generator = torch.cuda.default_generators[self.device.index or 0] if self.device.type == "cuda" \
             else torch.default_generator
         self.step: Callable[[], None] = step if step is not None else self._step
