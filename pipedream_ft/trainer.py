@@ -111,8 +111,15 @@ class PipelineTrainer:
         if cls is PipelineTrainer and turns is None:
             from .virtual import VirtualTrainer, runs_virtual
 
-            if runs_virtual(planned_schedule((config or PipelineConfig()).schedule, plan.settings)):
-                return VirtualTrainer(model, plan, config=config, env=env, **kwargs)
+            config = config or PipelineConfig()
+            if runs_virtual(planned_schedule(config.schedule, plan.settings)):
+                env = env or read_env()
+                if kwargs.get("checkpoint") is None and env.recovery != "in-place" and config.replan is None:
+                    kwargs.pop("checkpoint", None)
+                    return VirtualTrainer(model, plan, config=config, env=env, **kwargs)
+                from .virtual_threads import ThreadedStages  # fault tolerance still runs a thread per stage
+
+                return ThreadedStages(model, plan, config=config, env=env, **kwargs)
         return super().__new__(cls)
 
     def __init__(

@@ -147,6 +147,32 @@ def feature_case(spec: dict[str, Any]) -> dict[str, Any]:
         trainer.close()
 
 
+def stages_feature_case(spec: dict[str, Any]) -> dict[str, Any]:
+    """Per-process body for a schedule that gives a process several stages (no checkpointing): train
+    ``spec["total"]`` minibatches with ``spec``'s features (keys as :func:`feature_case`'s: stages, mode, schedule,
+    flush_every, opt, source, n, sched, clip, autocast, loss_scale, total); return the losses, the weights and
+    each stage's learning rate."""
+    from pipedream_ft import LossScale, PipelineConfig, PipelineTrainer
+
+    model = MODELS[spec.get("model", "mlp")]()
+    plan = plan_for(model, spec["stages"])
+    source, _ = make_source(spec.get("source", "callable"), spec.get("n", 600))
+    config = PipelineConfig(mode=spec.get("mode", "flush"), flush_every=spec.get("flush_every", 4), timeout_s=60,
+                            schedule=spec["schedule"], summary=False, clip_grad_norm=spec.get("clip"),
+                            autocast_dtype=DTYPES[spec.get("autocast")],
+                            loss_scale=LossScale(**spec.get("loss_scale", {})))
+    sched = spec.get("sched")
+    trainer = PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy,
+                              optimizer_factory=OPTIMIZERS[spec.get("opt", "sgd")], config=config,
+                              scheduler_factory=SCHEDULERS[sched] if sched else None)
+    try:
+        losses = trainer.train(source, spec["total"]).losses
+        return {"losses": losses, "state": trainer.full_state_dict(),
+                "lr": {st.index: st.state.optimizer.param_groups[0]["lr"] for st in trainer.stages}}
+    finally:
+        trainer.close()
+
+
 def eval_loader(n: int) -> DataLoader:
     """An evaluation loader whose last batch is partial (unless ``n`` is a multiple of BATCH)."""
     return DataLoader(ToyData(n), batch_size=BATCH)

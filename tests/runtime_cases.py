@@ -274,3 +274,37 @@ def planned_schedule_case(recorded: str | None) -> list[str]:
         return [str(a) for a in trainer.schedule(0, 4)]
     finally:
         trainer.close()
+
+
+def stages_case(stage_layers: list[list[int]], steps: int, schedule: str, options: dict | None = None
+                ) -> dict[str, Any]:
+    """Per-process body of a job whose schedule gives each process several stages (no checkpointing): train
+    ``steps`` minibatches of the MLP in flush mode (windows of 4) with Adam and report what ran, how and where.
+    ``options``: ``trace_dir``, ``stream`` (read the data as a list, once, on stage 0), ``save`` (a path for the
+    model as safetensors)."""
+    import os
+    import threading
+
+    from pipedream_ft import PipelineConfig, PipelineTrainer
+
+    options = options or {}
+    save = options.get("save")
+    model = mlp()
+    plan = plan_for(model, stage_layers)
+    trainer = PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=adam,
+                              config=PipelineConfig(mode="flush", flush_every=4, timeout_s=60, schedule=schedule,
+                                                    trace_dir=options.get("trace_dir"), summary=False))
+    source = [data(b) for b in range(steps)] if options.get("stream") else data
+    result = trainer.train(source, steps)
+    threads = {"python": sorted(t.name.split("-")[0] if t.name.startswith("Thread-") else t.name
+                                for t in threading.enumerate()),
+               "os": len(os.listdir("/proc/self/task"))}
+    evaluated = trainer.evaluate(data, 4)
+    if save is not None:
+        trainer.save_model(save, format="safetensors")
+    out = {"state": trainer.full_state_dict(), "losses": result.losses, "threads": threads,
+           "world": trainer.connection.group.world_size if hasattr(trainer, "connection") else None,
+           "stages": list(getattr(trainer, "stage_indices", [trainer.topo.stage] if hasattr(trainer, "topo") else [])),
+           "eval": evaluated.losses, "kind": type(trainer).__name__}
+    trainer.close()
+    return out

@@ -18,9 +18,12 @@ import torch
 from dist_helpers import free_port, run_world
 from ft_cases import checkpointed_case
 from partitioner.plan import PlanError
-from pipedream_ft.virtual import virtual_layout
+from pipedream_ft.schedules.actions import COMMUNICATION, Kind
+from pipedream_ft.virtual import process_actions, stage_links, virtual_layout
 from pipedream_reference import minibatch_sgd_reference
-from runtime_cases import OPTIMIZERS, adam, data, gpt_case, gpt_plan, lm_data, lm_loss, mlp, plan_for, tiny_gpt
+from feature_cases import ToyData, minibatch_reference, sequential_data, stages_feature_case
+from runtime_cases import (OPTIMIZERS, adam, data, gpt_case, gpt_plan, lm_data, lm_loss, mlp, plan_for, stages_case,
+                           tiny_gpt)
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -166,8 +169,30 @@ def test_a_plan_that_cannot_run_virtual_stages_stops_every_process_with_the_same
                                                              "does not run with virtual stages"}, out
 
 
-def test_nccl_refuses_a_layout_that_puts_two_neighbouring_stages_on_one_gpu():
-    from pipedream_ft.virtual import _check_backend
+@pytest.mark.parametrize("schedule, world", [("zbv", 2), ("dualpipev", 3), ("interleaved_1f1b", 2),
+                                             ("interleaved_1f1b", 3)])
+def test_every_stream_between_processes_has_a_link_at_both_ends_and_none_joins_stages_of_one_process(schedule, world):
+    """Under NCCL each stream (channel, sending stage) between two processes gets a communicator: both processes
+    must name it. Stages of one process exchange nothing, so nothing asks NCCL for two ranks on one GPU."""
+    plan = plan_for(mlp(), [[0, 1], [2], [3, 4], [5], [6], [7, 8]] if world == 3 else P4)
+    layout = virtual_layout(schedule, plan, world, 8)
+    last = plan.num_stages - 1
+    links = {r: stage_links(layout.placement, layout.stages_of(r), [(0, last)]) for r in range(world)}
+    for r, mine in links.items():
+        assert mine and len(set(mine)) == len(mine)
+        for peer, link in mine:
+            assert peer != r and (r, link) in links[peer], (r, peer, link)
+    for s in range(last):
+        if layout.placement[s] == layout.placement[s + 1]:
+            assert not any(link in (f"act:{s}", f"grad:{s + 1}") for ls in links.values() for _, link in ls)
+    if schedule in ("zbv", "dualpipev"):  # the first and the last stage share process 0: no targets, no tied link
+        assert not any(link.startswith(("tgt", "tied")) for ls in links.values() for _, link in ls)
+
+
+def test_fault_tolerant_virtual_stages_under_nccl_still_refuse_two_neighbours_on_one_gpu():
+    """A job that checkpoints or recovers in place under these schedules still runs a thread per stage
+    (:mod:`pipedream_ft.virtual_threads`): there two neighbours on one process would be two NCCL ranks."""
+    from pipedream_ft.virtual_threads import _check_backend
 
     plan4 = plan_for(mlp(), P4)
     _check_backend(virtual_layout("interleaved_1f1b", plan4, 2, 4), "nccl")  # neighbours on two processes
@@ -175,6 +200,30 @@ def test_nccl_refuses_a_layout_that_puts_two_neighbouring_stages_on_one_gpu():
     with pytest.raises(PlanError, match="puts stages 1 and 2, which exchange tensors, on process 1: NCCL cannot "
                                         "connect two ranks on one GPU"):
         _check_backend(virtual_layout("zbv", plan4, 2, 4), "nccl")
+
+
+@pytest.mark.parametrize("schedule, stages", [("interleaved_1f1b", P4), ("zbv", P4), ("dualpipev", P4),
+                                              ("interleaved_zero_bubble", P6), ("looped_bfs", P6)])
+def test_a_process_runs_its_stages_actions_with_messages_only_to_other_processes(schedule, stages):
+    layout = virtual_layout(schedule, plan_for(mlp(), stages), 2, 4)
+    where = layout.placement
+    lists = {r: process_actions(layout, r, 0, 12) for r in range(2)}
+    sent, received = set(), set()
+    for r, acts in lists.items():
+        assert [a for a in acts if a.kind not in COMMUNICATION] == layout.rank_actions(r, 0, 12)
+        for a in acts:
+            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                to = a.stage + 1 if a.kind == Kind.SEND_F else a.stage - 1
+                assert where[a.stage] == r != where[to], a
+                sent.add((to, a.kind, a.index))
+            elif a.kind in (Kind.RECV_F, Kind.RECV_B):
+                assert where[a.stage] == r, a
+                received.add((a.stage, Kind.SEND_F if a.kind == Kind.RECV_F else Kind.SEND_B, a.index))
+    assert sent == received and sent
+    if schedule in ("zbv", "dualpipev"):
+        assert not any(a.stage in (1, 2) and a.kind in COMMUNICATION and
+                       (a.stage, a.kind) in ((1, Kind.SEND_F), (2, Kind.RECV_F), (2, Kind.SEND_B), (1, Kind.RECV_B))
+                       for a in lists[1])
 
 
 @pytest.mark.slow
@@ -218,3 +267,64 @@ def test_each_process_runs_its_stages_actions_in_the_schedules_order_and_the_tim
         assert ran == want, pid
     png = tmp_path / "virtual.png"
     assert timeline_main([str(traces), "-o", str(png)]) == 0 and png.stat().st_size > 0
+
+
+def _ran_with_messages(trace_dir, pid: int) -> list[str]:
+    from pipedream_ft.observe.timeline import merge_traces, trace_files
+
+    events = [e for e in merge_traces(trace_files(trace_dir))["traceEvents"] if e.get("pid") == pid and (
+        (e.get("ph") == "X" and e["cat"] in ("forward", "backward", "weight", "update"))
+        or (e.get("ph") == "i" and e.get("cat") == "message"))]
+    events.sort(key=lambda e: e["ts"])
+    return [f"{e['args']['stage']}{e['name']}" for e in events]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, stages", [("zbv", P4), ("interleaved_zero_bubble", P6)])
+def test_one_rank_per_process_runs_its_lowered_list_and_is_minibatch_sgd(schedule, stages, tmp_path):
+    """A process holding several stages is one rank of a world of 2, with as many threads as a process holding
+    one stage; it runs exactly its lowered list (compute, updates, and sends and receives to the other process
+    only), reads a stream once on stage 0, and trains minibatch SGD's weights; it evaluates and saves the model."""
+    from safetensors.torch import load_file
+
+    traces = tmp_path / "traces"
+    out = run_world(stages_case, 2, stages, 16, schedule,
+                    {"trace_dir": str(traces), "stream": True, "save": str(tmp_path / "model.safetensors")})
+    one = run_world(stages_case, 2, [[0, 1, 2, 3], [4, 5, 6, 7, 8]], 16, "1f1b",
+                    {"trace_dir": str(tmp_path / "one"), "stream": True})
+    want, losses = minibatch_sgd_reference(mlp(), data, torch.nn.functional.cross_entropy, adam, 16, 4)
+    layout = virtual_layout(schedule, plan_for(mlp(), stages), 2, 4)
+    for rank in (0, 1):
+        got = out[rank][1]
+        assert got["kind"] == "VirtualTrainer" and got["world"] == 2 and got["stages"] == layout.stages_of(rank)
+        _close(got["state"], want, 1e-6)
+        assert got["losses"] == pytest.approx(losses, abs=1e-6)
+        assert got["eval"] == pytest.approx(one[rank][1]["eval"], abs=1e-5)
+        want_list = [str(a) if a.kind in (Kind.F, Kind.B, Kind.U) or a.kind in COMMUNICATION
+                     else f"{a.stage}{'B' if a.kind == Kind.I else 'W'}{a.index}"  # the trace names I's event B
+                     for a in process_actions(layout, rank, 0, 16)]
+        assert _ran_with_messages(traces, rank) == want_list, rank
+    _close(load_file(str(tmp_path / "model.safetensors")), want, 1e-6)
+    # the same threads as two processes of one stage each (the one holding the last stage reports progress)
+    for what in ("python", "os"):
+        many = sorted(out[0][1]["threads"][what] + out[1][1]["threads"][what]) if what == "python" else \
+            out[0][1]["threads"][what] + out[1][1]["threads"][what]
+        few = sorted(one[0][1]["threads"][what] + one[1][1]["threads"][what]) if what == "python" else \
+            one[0][1]["threads"][what] + one[1][1]["threads"][what]
+        assert many == few, (what, many, few)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved_1f1b"])
+def test_global_clipping_and_a_scheduler_over_several_stages_per_process_are_minibatch_sgd(schedule):
+    """The window's gradient norm is one all-reduce for the process's stages together (and the tied-free MLP's
+    scheduler steps once per window on each)."""
+    spec = {"stages": P4, "mode": "flush", "schedule": schedule, "flush_every": 4, "total": 16, "sched": "lambda",
+            "clip": 0.25}
+    out = run_world(stages_feature_case, 2, spec)
+    want = minibatch_reference(mlp(), sequential_data(ToyData(600)), 16, 4, "sgd", sched="lambda", clip=0.25)
+    for rank in range(2):
+        _close(out[rank][1]["state"], want["state"], 1e-6)
+        assert len(set(out[rank][1]["lr"].values())) == 1 and len(out[rank][1]["lr"]) == 2
+    assert out[0][1]["losses"] == pytest.approx(want["losses"], abs=1e-6)
+    assert sum(n > 0.25 for n in want["norms"]) >= 2  # clipping was active

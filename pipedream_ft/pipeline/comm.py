@@ -25,12 +25,15 @@ import pickle
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import torch
 
 from ..errors import EXIT_SETUP
 from .group import CommGroup, PeerTimeoutError, backend_reason
+
+if TYPE_CHECKING:
+    from .colocated import Handoff, StageRoute
 
 __all__ = ["TensorSpec", "Header", "PeerTimeoutError", "ShapeMismatchError", "Messenger", "RecvHandle"]
 
@@ -170,17 +173,29 @@ class RecvHandle:
             t = torch.empty(spec.shape, dtype=spec.dtype, device=self._m.device)
             self.tensors.append(t)
             link, base = _CHANNELS[self.channel]
-            self.works.append(self._m.group.irecv(t, self.peer, base + _tag(self.minibatch, i + 1), link))
+            code = self._m._code(self.minibatch, self.peer, self.channel == "grad")
+            self.works.append(self._m._irecv(t, self.peer, base + _tag(code, i + 1), self._m._link(link, self.peer)))
 
 
 class Messenger:
     """Sends and receives stage-boundary tensors for one rank."""
 
-    def __init__(self, group: CommGroup, timeout_s: float) -> None:
-        """``group`` carries the traffic (its links, under NCCL, one communicator per link and direction)."""
+    def __init__(self, group: CommGroup, timeout_s: float, *, route: StageRoute | None = None,
+                 handoff: Handoff | None = None) -> None:
+        """``group`` carries the traffic (its links, under NCCL, one communicator per link and direction).
+
+        ``route``: a stage of a process that holds several (see :mod:`~pipedream_ft.pipeline.colocated`): peers
+        are then *stages*, each message's tag carries the stage that sends it, and a message to a stage of this
+        same process is left in ``handoff`` instead of travelling."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if route is not None and handoff is None:
+            raise ValueError("a stage's messenger (route given) needs the process's handoff")
         self.group = group
+        self.route = route
+        self.handoff = handoff
+        self._lanes = route.lanes if route is not None else 1
+        self._stage = route.stage if route is not None else 0
         self.device = group.device
         self.timeout = timedelta(seconds=timeout_s)
         self._learned: dict[int, list[TensorSpec]] = {}
@@ -203,43 +218,75 @@ class Messenger:
             )
         buf = _encode(header, specs, self.device)
         link, base = _CHANNELS[channel]
+        link = self._link(link, self._stage)
+        code = self._code(header.minibatch, self._stage)
         what = "activation" if channel == "act" else f"{channel} message"
-        self._isend(buf, peer, base + _tag(header.minibatch, 0), f"{what} header of minibatch {header.minibatch}", link)
+        self._isend(buf, peer, base + _tag(code, 0), f"{what} header of minibatch {header.minibatch}", link)
         for i, t in enumerate(tensors):
-            self._isend(t.detach().contiguous(), peer, base + _tag(header.minibatch, i + 1),
+            self._isend(t.detach().contiguous(), peer, base + _tag(code, i + 1),
                         f"{what} of minibatch {header.minibatch}", link)
 
     def send_object(self, peer: int, obj: Any) -> None:
         """Send a small picklable object on the activation channel (the pre-flight's structure message)."""
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
         size = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
-        self._isend(size, peer, _tag(_OBJECT, 0), "object size", "act")
-        self._isend(payload, peer, _tag(_OBJECT, 1), "object", "act")
+        code, link = self._code(_OBJECT, self._stage), self._link("act", self._stage)
+        self._isend(size, peer, _tag(code, 0), "object size", link)
+        self._isend(payload, peer, _tag(code, 1), "object", link)
 
     def recv_object(self, peer: int) -> Any:
         """Receive what :meth:`send_object` sent from ``peer`` (blocking, with the timeout)."""
         size = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._wait(self.group.irecv(size, peer, _tag(_OBJECT, 0), "act"), "object size", peer)
+        code, link = self._code(_OBJECT, peer), self._link("act", peer)
+        self._wait(self._irecv(size, peer, _tag(code, 0), link), "object size", peer)
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        self._wait(self.group.irecv(payload, peer, _tag(_OBJECT, 1), "act"), "object", peer)
+        self._wait(self._irecv(payload, peer, _tag(code, 1), link), "object", peer)
         return pickle.loads(payload.cpu().numpy().tobytes())
 
     def send_tensor(self, peer: int, minibatch: int, slot: int, tensor: torch.Tensor, channel: str) -> None:
         """Send one tensor whose shape the receiver knows (e.g. a tied parameter's gradient) in message ``slot``."""
-        self._isend(tensor.detach().contiguous(), peer, _tag(minibatch, slot), f"{channel} tensor of update {minibatch}",
-                    channel)
+        self._isend(tensor.detach().contiguous(), peer, _tag(self._code(minibatch, self._stage), slot),
+                    f"{channel} tensor of update {minibatch}", self._link(channel, self._stage))
 
     def recv_tensor(self, peer: int, minibatch: int, slot: int, buf: torch.Tensor, channel: str) -> Any:
         """Post the receive of what :meth:`send_tensor` sends into ``buf``; wait for the returned work with
         :meth:`wait`."""
-        return self.group.irecv(buf, peer, _tag(minibatch, slot), channel)
+        return self._irecv(buf, peer, _tag(self._code(minibatch, peer), slot), self._link(channel, peer))
 
     def send_gradients(self, peer: int, minibatch: int, tensors: Sequence[torch.Tensor]) -> None:
+        code, link = self._code(minibatch, self._stage, True), self._link("grad", self._stage)
         for i, t in enumerate(tensors):
-            self._isend(t.detach().contiguous(), peer, _tag(minibatch, i + 1), f"gradient of minibatch {minibatch}",
-                        "grad")
+            self._isend(t.detach().contiguous(), peer, _tag(code, i + 1), f"gradient of minibatch {minibatch}", link)
+
+    # -- stages of one process (see pipedream_ft.pipeline.colocated) ---------------------------------------------
+
+    def _code(self, minibatch: int, sender: int, grad: bool = False) -> int:
+        """The minibatch field of a tag: the minibatch, and for a stage's messenger also the stage that sends it
+        and whether it is a gradient (two stages of a process may send the same minibatch to one rank)."""
+        return minibatch if self._lanes == 1 else minibatch * self._lanes + 2 * sender + grad
+
+    def _link(self, channel: str, sender: int) -> str:
+        """The link a message travels on: its channel's, of its sending stage for a stage's messenger (under NCCL
+        each is a communicator of its own, so every stream between two ranks stays in order)."""
+        return channel if self.route is None else f"{channel}:{sender}"
+
+    def _irecv(self, buf: torch.Tensor, peer: int, tag: int, link: str) -> Any:
+        if self.route is None:
+            return self.group.irecv(buf, peer, tag, link)
+        rank = self.route.ranks[peer]
+        if rank == self.group.rank:
+            assert self.handoff is not None
+            return self.handoff.receive((self._stage, link, tag), buf, peer)
+        return self.group.irecv(buf, rank, tag, link)
 
     def _isend(self, t: torch.Tensor, peer: int, tag: int, what: str, kind: str) -> None:
+        if self.route is not None:
+            rank = self.route.ranks[peer]
+            if rank == self.group.rank:  # a stage of this process: nothing travels
+                assert self.handoff is not None
+                self.handoff.put((peer, kind, tag), t.clone(), what, unique=False)
+                return
+            peer = rank
         work = self.group.isend(t, peer, tag, kind)
         self._pending.append((work, t, what, peer))
         while len(self._pending) > 64:
@@ -275,7 +322,8 @@ class Messenger:
     def _post_header(self, h: RecvHandle) -> None:
         h.header_buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         link, base = _CHANNELS[h.channel]
-        h.header_work = self.group.irecv(h.header_buf, h.peer, base + _tag(h.minibatch, 0), link)
+        h.header_work = self._irecv(h.header_buf, h.peer, base + _tag(self._code(h.minibatch, h.peer), 0),
+                                    self._link(link, h.peer))
         if h.channel != "act":
             return
         known = self._learned.get(h.peer)

@@ -25,7 +25,7 @@ last stage. It must not be the training source (iterating it would move training
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -35,7 +35,7 @@ from .crossing import outgoing
 from .data import StreamFeed, agree, make_feed, source_problem
 from .executor import Executor
 
-__all__ = ["EvalResult", "MetricFn", "evaluate"]
+__all__ = ["EvalResult", "MetricFn", "evaluate", "evaluate_stages"]
 
 MetricFn = Callable[[Any, Any], Any]
 """``metric_fn(outputs, targets)``: a number or a tensor per minibatch (a one-element tensor becomes a float)."""
@@ -66,6 +66,24 @@ def evaluate(ex: Executor, data: Any, steps: int, metric_fn: MetricFn | None = N
 
     ``training_source``: the source training reads, refused as ``data`` if it is iterable.
     """
+    return evaluate_stages([ex], data, steps, metric_fn, training_source=training_source)
+
+
+def evaluate_stages(executors: Sequence[Executor], data: Any, steps: int, metric_fn: MetricFn | None = None, *,
+                    training_source: Any = None) -> EvalResult:
+    """:func:`evaluate` for a process that runs the stages of ``executors`` (in stage order). A collective."""
+    records = [r for ex in executors for r in _records(ex, data, steps, metric_fn, training_source)]
+    gathered = executors[0].group.all_gather_object(records)
+    merged = sorted((r for part in gathered for r in part), key=lambda r: r[0])
+    if [r[0] for r in merged] != list(range(steps)):
+        raise PipelineError(f"evaluation of {steps} minibatches got results for {[r[0] for r in merged]}")
+    losses = [r[1] for r in merged]
+    return EvalResult(sum(losses) / len(losses), losses, [r[2] for r in merged] if metric_fn is not None else [])
+
+
+def _records(ex: Executor, data: Any, steps: int, metric_fn: MetricFn | None, training_source: Any
+             ) -> list[tuple[int, float, Any]]:
+    """``(minibatch, loss, metric)`` of every minibatch this stage (the last) evaluated; none on another stage."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     topo, module, messenger = ex.topo, ex.state.module, ex.messenger
@@ -115,9 +133,4 @@ def evaluate(ex: Executor, data: Any, steps: int, metric_fn: MetricFn | None = N
         torch.set_rng_state(cpu_rng)
         if dev_rng is not None:
             torch.cuda.set_rng_state(dev_rng, ex.device)
-    gathered = ex.group.all_gather_object(records if topo.stage == last else [])
-    merged = sorted((r for part in gathered for r in part), key=lambda r: r[0])
-    if [r[0] for r in merged] != list(range(steps)):
-        raise PipelineError(f"evaluation of {steps} minibatches got results for {[r[0] for r in merged]}")
-    losses = [r[1] for r in merged]
-    return EvalResult(sum(losses) / len(losses), losses, [r[2] for r in merged] if metric_fn is not None else [])
+    return records if topo.stage == last else []

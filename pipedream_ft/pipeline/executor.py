@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..errors import PipelineSetupError
 from ..schedules.actions import Action, Kind
+from .colocated import Handoff
 from .comm import Header, Messenger, RecvHandle, TensorSpec
 from .connection import Connection
 from .crossing import Structure, outgoing
@@ -49,7 +50,7 @@ from .state import StageState
 from .topology import Topology
 from .versions import Version
 
-__all__ = ["DataFn", "Executor", "RankStats", "mix_seed"]
+__all__ = ["DataFn", "Executor", "RankStats", "agree_preflight", "mix_seed"]
 
 FAILED = 1
 """The pre-flight header's flag: the upstream stage failed its pre-flight check."""
@@ -108,6 +109,16 @@ def mix_seed(seed: int, stage: int, minibatch: int) -> int:
     return x % (2**63 - 1)
 
 
+def agree_preflight(group: CommGroup, errors: Sequence[str | None]) -> None:
+    """Every rank's pre-flight lines (``errors``: one per stage of this rank) gathered: the first raised on every
+    rank as :class:`PipelineSetupError` (marked agreed). A collective."""
+    problems = [e for part in group.all_gather_object(list(errors)) for e in part if e]
+    if problems:
+        agreed = PipelineSetupError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+        agreed.agreed = True
+        raise agreed
+
+
 def _tensors(values: Any) -> list[torch.Tensor]:
     return [x for x in tree_leaves(values) if isinstance(x, torch.Tensor)]
 
@@ -134,7 +145,10 @@ class Executor:
                  loss_factor: Callable[[], float] | None = None,
                  decide: Callable[[int], int] | None = None,
                  on_cut: Callable[[int, int], None] | None = None,
-                 stops: Callable[[int], bool] | None = None) -> None:
+                 stops: Callable[[int], bool] | None = None,
+                 colocated: frozenset[int] = frozenset(), handoff: Handoff | None = None) -> None:
+        if colocated and handoff is None:
+            raise ValueError("stages on this process (colocated) need the handoff between them")
         self.topo = topo
         self.state = state
         self.mode = mode
@@ -169,6 +183,13 @@ class Executor:
         self._grads_out: dict[int, list[torch.Tensor]] = {}
         """Input gradients computed and not yet sent (``B``/``I`` ran, ``SEND_B`` has not)."""
         self._reparam: Reparametrized | None = None
+        self.handoff = handoff
+        """Where this stage and the other stages of its process hand each other activations and gradients."""
+        self._local_prev = topo.stage - 1 in colocated
+        """The previous stage runs on this process: its activations come from the handoff (no RECV_F)."""
+        self._local_next = topo.stage + 1 in colocated
+        """The next stage runs on this process: the outputs go to the handoff (no SEND_F), its gradients come
+        from there (no RECV_B)."""
         self._generator = torch.cuda.default_generators[self.device.index or 0] if self.device.type == "cuda" \
             else torch.default_generator
         self.step: Callable[[], None] = step if step is not None else self._step
@@ -218,6 +239,12 @@ class Executor:
         cannot take what the previous one sends — or a mismatch between the data and the model — stops every
         rank with one message naming it. A collective.
         """
+        agree_preflight(self.group, [self.preflight_check(data)])
+        self.preflight_done = True
+
+    def preflight_check(self, data: Feed) -> str | None:
+        """This stage's part of :meth:`preflight`, without the agreement: its messages to and from its
+        neighbours, and the line naming what is wrong here (``None``: nothing)."""
         topo, module = self.topo, self.state.module
         error: str | None = None
         failed_upstream = False
@@ -270,12 +297,7 @@ class Executor:
                 self.messenger.send_object(peer, self._out_structure)
                 self.messenger.send_activations(peer, Header(-1, 0, FAILED if failed else 0), [] if failed else outs)
             self.messenger.flush()
-        problems = [e for e in self.group.all_gather_object(error) if e]
-        if problems:
-            agreed = PipelineSetupError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
-            agreed.agreed = True
-            raise agreed
-        self.preflight_done = True
+        return error
 
     # -- actions ------------------------------------------------------------------------------------------
 
@@ -354,6 +376,14 @@ class Executor:
                 self._cut(b, flags)
             tag = self.mode.version_for(topo, state.versions, b, 0).updates
             header = Header(b, tag, flags)
+        elif self._local_prev:
+            assert self.handoff is not None
+            header, sent = self.handoff.take(("act", topo.stage, b), f"stage {topo.stage}: the forward of minibatch {b}")
+            assert self._in_structure is not None
+            leaves = [t.detach().requires_grad_() if t.is_floating_point() else t.detach() for t in sent]
+            inputs = self._in_structure.join(leaves)
+            if header.flags:
+                self._cut(b, header.flags)
         else:
             handle = self._act_recv.pop(b, None)
             if handle is None:
@@ -399,6 +429,9 @@ class Executor:
             if structure != self._out_structure:
                 self._out_structure.check(structure, state.module.output_names, b)
         self._inflight[b] = _InFlight(version, tied_versions, leaves, outputs, loss, None, header)
+        if self._local_next:
+            assert self.handoff is not None
+            self.handoff.put(("act", topo.stage + 1, b), (header, outputs), f"minibatch {b}'s activations")
         self.stats.forward_s += time.perf_counter() - t0
         self.hooks.on_forward(b, w0, time.time())
         self._note_stash()
@@ -471,6 +504,14 @@ class Executor:
         if self.topo.is_last:
             assert rec.loss is not None
             return [rec.loss], [None]
+        if self._local_next:
+            assert self.handoff is not None
+            b = rec.header.minibatch
+            received = self.handoff.take(("grad", self.topo.stage, b), f"stage {self.topo.stage}: the backward of "
+                                         f"minibatch {b}")
+            floats = [t for t in rec.outputs if t.is_floating_point()]
+            pairs = [(o, g) for o, g in zip(floats, received) if o.requires_grad]
+            return [p[0] for p in pairs], [p[1] for p in pairs]
         if rec.grad_recv is None:
             raise PipelineSetupError(f"stage {self.topo.stage}: the backward of minibatch {rec.header.minibatch} "
                                      "runs before its RECV_B: the lowered schedule is out of order")
@@ -516,7 +557,12 @@ class Executor:
     def _send_input_grads(self, b: int, wrt_inputs: list[torch.Tensor], got: Sequence[torch.Tensor | None]) -> None:
         """Keep the input gradients of ``b`` for its ``SEND_B``."""
         if not self.topo.is_first:
-            self._grads_out[b] = [g if g is not None else torch.zeros_like(t) for t, g in zip(wrt_inputs, got)]
+            grads = [g if g is not None else torch.zeros_like(t) for t, g in zip(wrt_inputs, got)]
+            if self._local_prev:
+                assert self.handoff is not None
+                self.handoff.put(("grad", self.topo.stage - 1, b), grads, f"minibatch {b}'s input gradients")
+            else:
+                self._grads_out[b] = grads
 
     def update(self, round_: int) -> None:
         topo, state = self.topo, self.state

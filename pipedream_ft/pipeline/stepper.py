@@ -63,32 +63,49 @@ class Stepper:
                 momentum_of(group, state.optimizer)  # refuses an optimizer without momentum now, not at its step
         self.last_norm: float | None = None
         """The gradient norm of the last update (the global one in flush mode), when clipping."""
+        self._terms: torch.Tensor | None = None
+        """This update's :meth:`terms`, once taken."""
 
     @property
     def agrees(self) -> bool:
         """Whether each update all-reduces over the world (flush mode with clipping or loss scaling)."""
         return self.synchronous and (self.clip is not None or self.scaler is not None)
 
-    def step(self) -> None:
-        """The update: called by the executor after the replica all-reduce, on every rank."""
-        state = self.state
-        grads = [p.grad for p in state.live_params if p.grad is not None]
+    def terms(self) -> torch.Tensor:
+        """This stage's part of the update's all-reduce (flush mode with clipping or loss scaling): its squared
+        gradient norm and whether a gradient overflowed, as float64 ``[norm², found]`` on the CPU. Unscales the
+        gradients (once per update); :meth:`step` then takes the sum over every stage."""
+        grads = [p.grad for p in self.state.live_params if p.grad is not None]
         found = torch.zeros(())
         if self.scaler is not None:
             found = self.scaler.unscale(grads)
+        sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
+        if self.clip is not None and self.topo.replica == 0 and grads:
+            sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]).pow(2).sum()
+        self._terms = flat = torch.stack([sq.cpu(), found.cpu().double()])
+        return flat
+
+    def step(self, total: torch.Tensor | None = None) -> None:
+        """The update: called by the executor after the replica all-reduce, on every rank. ``total``: the sum of
+        every stage's :meth:`terms`, when the caller reduced them (a process of several stages reduces them once
+        for all of its stages); else this stage takes part in the all-reduce itself."""
+        state = self.state
         skip = False
         if self.agrees:
-            sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
-            if self.clip is not None and self.topo.replica == 0 and grads:
-                sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]).pow(2).sum()
-            flat = torch.stack([sq.cpu(), found.cpu().double()])
-            messenger = self.connection.messenger
-            work = messenger.group.control.allreduce([flat])
-            messenger.wait(work, "all-reduce of gradient norms and overflow flags over every stage")
+            if total is None:
+                flat = self.terms()
+                messenger = self.connection.messenger
+                work = messenger.group.control.allreduce([flat])
+                messenger.wait(work, "all-reduce of gradient norms and overflow flags over every stage")
+            else:
+                if self._terms is None:
+                    raise RuntimeError("step(total) before terms(): this stage's gradients are not unscaled")
+                flat = total
+            self._terms = None
             skip = bool(flat[1] > 0)
             if self.clip is not None and not skip:
-                self._scale(grads, math.sqrt(float(flat[0])))
-        elif self.clip is not None and grads:
+                self._scale([p.grad for p in state.live_params if p.grad is not None], math.sqrt(float(flat[0])))
+        elif self.clip is not None and any(p.grad is not None for p in state.live_params):
             self.last_norm = float(torch.nn.utils.clip_grad_norm_(state.live_params, self.clip))
         if state.optimizer is not None:
             if not skip:

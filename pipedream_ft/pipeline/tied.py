@@ -153,6 +153,10 @@ class TiedParameters:
         self.topo = topo
         self.mode = mode
         self.connection = connection
+        self.defer = False
+        """Flush mode on a process of several stages: :meth:`on_update` only sends; the caller applies the tied
+        update with :meth:`drain` once every stage of the process has sent (a holder on the same process sends
+        its gradient in its own update, which may come after this one)."""
         names_of: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             names_of.setdefault(id(p), []).append(name)
@@ -227,7 +231,7 @@ class TiedParameters:
             for stage, peer in g.partners.items():
                 self.connection.messenger.send_tensor(peer, round_, self._slots[(g.index, stage)], grad, "tied")
                 self._post(g, round_, stage)
-            if together or g.is_first:
+            if (together and not self.defer) or (g.is_first and not together):
                 self._apply_until(g, round_ + 1)
 
     def drain(self, updates: int) -> None:
