@@ -636,8 +636,8 @@ class PreemptionHandler:
 
     @staticmethod
     def of_process() -> PreemptionHandler | None:
-        """The handler installed last in this process and still installed: what a stage running on a thread of its
-        own (virtual stages), which cannot install one, watches."""
+        """The handler installed last in this process and still installed: what a trainer built on a thread other
+        than the main one, which cannot install one, watches."""
         return _INSTALLED[-1] if _INSTALLED else None
 
     @property

@@ -1,4 +1,4 @@
-"""The trainer: builds a rank's part of the pipeline, runs its actions, and calls the hooks.
+"""The trainer: builds a process's part of the pipeline (one stage, or several), runs its actions, and calls the hooks.
 
 Semantics are those of the mode (see :mod:`pipedream_ft.pipeline.modes`): ``"stash"`` (PipeDream's weight
 stashing, the default), ``"vertical"`` (vertical sync) or ``"flush"`` (synchronous minibatch SGD over windows
@@ -7,12 +7,17 @@ update; minibatches are dealt to replicas round-robin.
 
 The pieces, each in its own module:
 
-* :class:`~pipedream_ft.pipeline.topology.Topology` — the rank's stage, replica and peers, from the plan;
+* :class:`~pipedream_ft.pipeline.topology.Topology` — a stage's place: its replica and peers, from the plan;
 * :class:`~pipedream_ft.pipeline.state.StageState` — weights, versions, optimizer, RNG, position, extra state;
 * :class:`~pipedream_ft.pipeline.executor.Executor` — forward, backward, update, the pre-flight check;
 * :class:`~pipedream_ft.pipeline.connection.Connection` — the one communication handle, re-configured per epoch;
 * :class:`~pipedream_ft.ft.checkpointer.Checkpointer` — cuts, saves, commits, resume;
 * hooks — timeline, metrics, progress bar, watchdog, fault injection.
+
+A process holds one stage, or — under a schedule that gives a process several (interleaved 1F1B, ZBV,
+DualPipeV: :mod:`pipedream_ft.virtual`) — several, each with its own state, stepper and executor, all on the
+process's one rank and one thread: the process runs one lowered action list, and every action goes to its
+stage's executor. The checkpointer, in-place recovery, hooks and connection are the process's.
 
 And the training features: data sources read once by stage 0 (:mod:`~pipedream_ft.pipeline.data`,
 :mod:`~pipedream_ft.pipeline.sources`), the LR scheduler (:mod:`~pipedream_ft.pipeline.scheduler`), gradient
@@ -23,7 +28,8 @@ evaluation (:mod:`~pipedream_ft.pipeline.evaluate`) and the final model (:mod:`~
 from __future__ import annotations
 
 import atexit
-import contextlib
+import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -56,18 +62,19 @@ from .ft.watchdog import Watchdog, WatchdogHook
 from .observe.hooks import MetricsHook, ProgressHook, TimelineHook
 from .observe.metrics import MetricsWriter, summary_table
 from .observe.timeline import TimelineRecorder
+from .pipeline.colocated import Handoff, StageConnection, StageRoute
 from .pipeline.comm import Messenger, PeerTimeoutError
 from .pipeline.connection import Connection, backend_and_device
 from .pipeline.data import CallableFeed, DataComponent, StreamFeed, target_links, training_feed
-from .pipeline.evaluate import EvalResult, MetricFn, evaluate
-from .pipeline.executor import DataFn, Executor, RankStats
+from .pipeline.evaluate import EvalResult, MetricFn, evaluate_stages
+from .pipeline.executor import DataFn, Executor, RankStats, agree_preflight
 from .pipeline.export import pretrained_of, save_model, save_pretrained
 from .pipeline.group import CommGroup
 from .pipeline.hooks import HookList, Hooks
 from .pipeline.modes import MODES, Mode, make_mode
 from .pipeline.precision import LossScale, LossScaler, autocast_context
 from .pipeline.record import TrainRecord
-from .schedules.actions import COMMUNICATION, Action
+from .schedules.actions import COMMUNICATION, Action, Kind
 from .pipeline.scheduler import SchedulerFactory, attach_scheduler
 from .pipeline.materialize import Init, has_meta, materialize_stage
 from .pipeline.memory_report import ActivationMeter, MemoryReport, memory_report, resident_bytes
@@ -76,7 +83,9 @@ from .pipeline.state import StageState
 from .pipeline.stepper import Stepper
 from .pipeline.tied import TiedParameters, find_tied, tie_declared
 from .pipeline.topology import Topology
-from .pipeline.turns import Turns
+from .schedules.window import WindowSchedule, resolve_schedule
+from .virtual import (merged_stats, process_actions, runs_virtual, stage_links, stage_plan, stages_per_process,
+                      virtual_layout)
 
 __all__ = ["MODES", "EvalResult", "LossScale", "PipelineConfig", "RankStats", "TrainResult", "PipelineTrainer",
            "release_all"]
@@ -84,43 +93,64 @@ __all__ = ["MODES", "EvalResult", "LossScale", "PipelineConfig", "RankStats", "T
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(eq=False)
+class _Stage:
+    """One stage this process runs: its place, weights, update and executor, and the hooks that are its own."""
+
+    topo: Topology
+    state: StageState
+    stepper: Stepper
+    executor: Executor
+    connection: Connection | StageConnection
+    data_state: DataComponent
+    meter: ActivationMeter
+    record: TrainRecord
+    scaler: LossScaler | None
+    scheduler: Any
+    own: HookList
+    """The hooks of this stage alone (its trace, its metrics, its activation meter)."""
+    feed: CallableFeed | StreamFeed | None = None
+
+    @property
+    def index(self) -> int:
+        return self.topo.stage
+
+
+class _StateDicts:
+    """The union of several stage modules' ``state_dict()`` (original keys): what export writes for a process."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.modules = modules
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for m in self.modules:
+            out.update(m.state_dict())
+        return out
+
+
 class PipelineTrainer:
-    """Runs this rank's stage of ``plan``.
+    """Runs this process's stage of ``plan`` — or its stages, under a schedule that gives a process several.
 
     ``model`` is the whole model (an ``nn.Sequential`` or an fx-traceable module) or a zero-argument factory
-    for it; only this rank's layers are kept. ``optimizer_factory(params)`` builds the stage's optimizer (it is
+    for it; only this process's layers are kept. ``optimizer_factory(params)`` builds a stage's optimizer (it is
     not called for a stage without parameters); ``scheduler_factory(optimizer)``, if given, builds its LR
     scheduler, stepped after every update. ``profile`` (the model's profile) lets a job whose world size
     changed re-plan; with checkpointing it is also stored beside the checkpoints, so later attempts can re-plan
     without it. A parameter used by layers of several stages (tied embeddings) is kept equal on all of them
     (see :mod:`pipedream_ft.pipeline.tied`); ``tied_parameters`` also ties groups of distinct parameters by
     name (e.g. ``[["wte.weight", "lm_head.weight"]]``). A model built on the ``meta`` device (under
-    ``torch.device("meta")``) costs nothing to build: only this rank's stage gets storage, with values from
+    ``torch.device("meta")``) costs nothing to build: only this process's stages get storage, with values from
     ``init`` (see :mod:`pipedream_ft.pipeline.materialize`: by default the model's own initialisation seeded per
     module from ``config.seed``; ``FromFile(path)`` reads only the stage's tensors from a weights file); ``init``
     given with a real model re-initialises the stage the same way. The trainer builds its own process groups (it
-    does not need ``torch.distributed``'s default group); :meth:`close` releases them. Under a schedule that gives
-    a process several stages (virtual stages), the call returns a :class:`~pipedream_ft.virtual.VirtualTrainer`
-    with the same methods.
+    does not need ``torch.distributed``'s default group); :meth:`close` releases them.
+
+    Under a schedule that gives a process several stages (interleaved 1F1B, ZBV, DualPipeV, a table of several
+    stages per rank: see :mod:`pipedream_ft.virtual`) the process still is one rank of the job, on one thread:
+    :attr:`stages` holds one stage each, and the views of one stage (:attr:`topo`, :attr:`state`,
+    :attr:`executor`, :attr:`module`, ...) are its first stage's.
     """
-
-    def __new__(cls, model: Any, plan: Plan, *, config: PipelineConfig | None = None, env: DistEnv | None = None,
-                turns: Turns | None = None, **kwargs: Any) -> Any:
-        """A :class:`~pipedream_ft.virtual.VirtualTrainer` instead when the schedule gives a process several of the
-        plan's stages (see :mod:`pipedream_ft.virtual`)."""
-        if cls is PipelineTrainer and turns is None:
-            from .virtual import VirtualTrainer, runs_virtual
-
-            config = config or PipelineConfig()
-            if runs_virtual(planned_schedule(config.schedule, plan.settings)):
-                env = env or read_env()
-                if kwargs.get("checkpoint") is None and env.recovery != "in-place" and config.replan is None:
-                    kwargs.pop("checkpoint", None)
-                    return VirtualTrainer(model, plan, config=config, env=env, **kwargs)
-                from .virtual_threads import ThreadedStages  # fault tolerance still runs a thread per stage
-
-                return ThreadedStages(model, plan, config=config, env=env, **kwargs)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -136,12 +166,8 @@ class PipelineTrainer:
         profile: Profile | None = None,
         scheduler_factory: SchedulerFactory | None = None,
         tied_parameters: Sequence[Sequence[str]] = (),
-        turns: Turns | None = None,
         init: Init | None = None,
     ) -> None:
-        self.turns = turns
-        """The turns this stage takes with the other stages of its process (virtual stages, see
-        :mod:`pipedream_ft.virtual`); ``None``: the process runs this stage alone."""
         self.config = config = config or PipelineConfig()
         self._baseline = resident_bytes()  # before any weight: the memory report's baseline
         self.timeline: dict[str, float] = {"start": time.time()}
@@ -165,102 +191,121 @@ class PipelineTrainer:
             raise PlanError(f"the profile (hash {profile.structure_hash()[:12]}) is not the plan's model "
                             f"(hash {plan.profile_hash[:12]})")
         self.original_plan = plan
-        self.mode: Mode = make_mode(config.mode, config.flush_every, config.update_every,
-                                    planned_schedule(config.schedule, plan.settings))
-        if plan.world_size != env.world_size and len(ml.names) == plan.num_layers:
-            plan = replan_for_world(plan, self.profile, env.world_size, rank=env.rank,
-                                    storage=Storage(checkpoint.url, checkpoint.storage_options)
-                                    if checkpoint is not None and checkpoint.url is not None else None)
-        elif checkpoint is not None and checkpoint.url is not None:
-            replanned = load_replanned(Storage(checkpoint.url, checkpoint.storage_options), plan,
-                                       lambda p: plan_hash(p, self.mode))
-            if replanned is not plan and env.rank == 0:
-                say(f"pipedream-ft: the job re-planned {describe_plan(plan)} into {describe_plan(replanned)}; "
-                    "continuing on it", sys.stdout)
-            plan = replanned
-        plan.check_fits(profile_hash=model_hash, num_layers=len(ml.names), world_size=env.world_size)
+        storage = Storage(checkpoint.url, checkpoint.storage_options) \
+            if checkpoint is not None and checkpoint.url is not None else None
+        schedule = planned_schedule(config.schedule, plan.settings)
+        resolved = resolve_schedule(schedule)
+        self.layout: WindowSchedule | None = None
+        """The schedule of several stages per process (``None``: one stage per process)."""
+        if runs_virtual(resolved):
+            plan = self._virtual_plan(plan, resolved, storage, model_hash, len(ml.names))
+            assert self.layout is not None
+            self.mode: Mode = make_mode(config.mode, config.flush_every, config.update_every, self.layout)
+            by_stage = stage_plan(plan)
+            indices = self.layout.stages_of(env.rank)
+        else:
+            self.mode = make_mode(config.mode, config.flush_every, config.update_every, schedule)
+            if plan.world_size != env.world_size and len(ml.names) == plan.num_layers:
+                plan = replan_for_world(plan, self.profile, env.world_size, rank=env.rank, storage=storage)
+            elif storage is not None:
+                plan = self._replanned(plan, storage)
+            plan.check_fits(profile_hash=model_hash, num_layers=len(ml.names), world_size=env.world_size)
+            by_stage = plan
+            indices = [plan.stage_of_rank(env.rank).index]
         self.plan = plan
-        self.topo = topo = Topology.of(plan, env.rank)
-        self.mode.check(topo)
+        self.stage_indices: list[int] = indices
+        """The stages this process runs, in order."""
+        topos = [Topology.of(by_stage, s) for s in indices] if self.layout is not None \
+            else [Topology.of(plan, env.rank)]
+        for t in topos:
+            self.mode.check(t)
+        single = self.layout is None
         self.connection = Connection(
             rank=env.rank, world_size=env.world_size, backend=self.backend, device=self.device,
-            timeout_s=config.timeout_s, replica_ranks=topo.stage_ranks,
-            links=lambda: topo.links() + target_links(topo) + (self.state.tied.links() if self.state.tied else []))
-        """This rank's one communication handle: every component talks through it; each epoch re-configures it."""
-        module = build_stage(ml, plan, topo.stage)
-        if init is not None or has_meta(model):  # only this stage's tensors get storage (and values)
-            materialize_stage(model, [module], init=init, seed=config.seed, also=[ml.root])
-        module = module.to(self.device)
-        specs = find_tied(ml, executed_layers(ml, plan.layer_to_stage, plan.num_stages, plan.recompute))
-        tied = None
-        if any(topo.stage in spec.stages for spec in specs):
-            objects = dict(ml.root.named_parameters(remove_duplicate=False))
-            tied = TiedParameters(specs, objects, module, topo, self.mode, optimizer_factory,
-                                  connection=self.connection)
-        self.tied_specs = specs
+            timeout_s=config.timeout_s, replica_ranks=topos[0].stage_ranks if single else None, links=self._links)
+        """This process's one communication handle: every component talks through it (each stage of several
+        through its own view of it); each epoch re-configures it."""
+        self.handoff = Handoff()
+        """What the stages of this process hand each other (several stages only)."""
         self.facts = {"plan": plan_fact(plan), "model": model_fact(ml.names, ml.root),
                       "mode": mode_fact({"mode": repr(self.mode), "update_every": config.update_every,
                                          "clip_grad_norm": config.clip_grad_norm, "autocast": config.autocast_dtype,
                                          "compensation": config.compensation}),
                       "data": data_fact(seed=config.seed, checkpoint_url=checkpoint.url if checkpoint else None)}
-        """What every rank must hold the same of, checked at start-up (see :mod:`pipedream_ft.ft.agreement`)."""
-        del ml, model
-        self.state = StageState(module, optimizer_factory, stage=topo.stage, replica=topo.replica,
-                                keep=self.mode.versions_kept(topo), extra=extra_state, tied=tied)
-        self._meter = ActivationMeter(self._weight_tensors)
-        self._meter.attach(module)
-        if tied is not None and scheduler_factory is not None:
-            tied.attach_schedulers(scheduler_factory)
-        scheduler = attach_scheduler(self.state, scheduler_factory, optimizer_factory)
-        self.scheduler: Any = scheduler.scheduler if scheduler is not None else None
-        """This stage's LR scheduler (``None`` without ``scheduler_factory`` or parameters)."""
-        self.scaler = LossScaler(config.loss_scale) if config.autocast_dtype == torch.float16 else None
-        if self.scaler is not None:
-            self.state.components["loss_scale"] = self.scaler
-        self.data_state = DataComponent()
-        if topo.is_first:
-            self.state.components["data"] = self.data_state
-        self._feed: CallableFeed | StreamFeed | None = None
-        self.loss_fn = loss_fn
+        """What every process must hold the same of, checked at start-up (see :mod:`pipedream_ft.ft.agreement`)."""
+        del ml
         self.in_place = env.recovery == "in-place"
         if self.in_place and checkpoint is None:
             checkpoint = CheckpointConfig()  # in-place recovery needs the memory tier at least
-        if checkpoint is not None and checkpoint.url is not None:
-            refuse_per_process(Storage(checkpoint.url, checkpoint.storage_options))
-        # every check above is local and the same on every rank; only now talk to the others
+        if storage is not None:
+            refuse_per_process(storage)
+        # every check above is local and the same on every process; only now talk to the others
         self.coordinator = Coordinator(env, config.timeout_s)
-        self.hooks = HookList()
         self.faults = FaultInjector.from_env(rank=env.rank, attempt=env.restart_count,
                                              connect=lambda: store_connection(env, config.timeout_s),
                                              key_prefix=f"pipedream-ft/{env.run_id}/faults")
+        self.hooks = HookList()
+        """The process's hooks; with one stage, its own hooks too (every hook of the process, in one list)."""
+        self._front: list[Hooks] = []
+        """The process's hooks that come before a stage's own (fault injection, watchdog)."""
+        self._back: list[Hooks] = []
+        """The process's hooks that come after (progress, milestones)."""
         if self.faults:
-            self.hooks.add(self.faults)
-        self._add_observers()
-        self.hooks.add(self._meter)
-        self.record = TrainRecord(lambda: self.executor.losses)
-        self.state.components["record"] = self.record  # a restored part brings its call's loss history back
-        self.stepper = Stepper(self.state, topo=topo, synchronous=not self.mode.asynchronous,
-                               connection=self.connection, clip_grad_norm=config.clip_grad_norm, scaler=self.scaler,
-                               scheduler=scheduler, compensation=config.compensation, delay=self.mode.delay(topo))
+            self._front.append(self.faults)
+        if config.watchdog_s:
+            self._front.append(WatchdogHook(Watchdog(config.watchdog_s, rank=env.rank,
+                                                     health_file=config.health_file), indices[0]))
+        reporter = self.plan.num_stages - 1 in indices and topos[-1].replica == 0
+        self.progress = ProgressHook(bar=config.progress and env.rank == 0,
+                                     report=self.coordinator.report_progress if reporter else None,
+                                     last_loss=self._last_loss, reported_loss=self.coordinator.last_loss)
+        self._back += [self.progress, _Milestones(self.timeline, lambda: self.recoveries)]
+        self._totals: dict[int, torch.Tensor] = {}
+        """A window's reduced norms and overflow flags, per stage, until its update takes them (several stages)."""
+        copies = [model] + [copy.deepcopy(model) for _ in indices[1:]]  # each stage keeps its own layers
+        del model
+        self.stages: list[_Stage] = []
+        """This process's stages, in order."""
+        for k, topo in enumerate(topos):
+            self.stages.append(self._build_stage(copies[k], by_stage, topo, k, loss_fn, optimizer_factory,
+                                                 extra_state, scheduler_factory, init))
+            copies[k] = None  # type: ignore[call-overload]
+        del copies
+        first = self.stages[0]
+        self.topo = first.topo
+        """The first stage's place (the only one's, with one stage per process)."""
+        self.state = first.state
+        self.executor = first.executor
+        self.stepper = first.stepper
+        self.scaler = first.scaler
+        self.scheduler: Any = first.scheduler
+        """The first stage's LR scheduler (``None`` without ``scheduler_factory`` or parameters)."""
+        self.data_state = first.data_state
+        self.record = first.record
+        self._meter = first.meter
+        if single:
+            self.hooks = first.executor.hooks  # one list: the stage's hooks are the process's
+        else:
+            for h in (*self._front, *self._back):
+                self.hooks.add(h)
         self.ckpt: Checkpointer | None = None
         if checkpoint is not None:
-            self.ckpt = Checkpointer(checkpoint, topo=topo, mode=self.mode, state=self.state,
+            self.ckpt = Checkpointer(checkpoint, parts=[(st.topo, st.state) for st in self.stages], mode=self.mode,
                                      coordinator=self.coordinator, hooks=self.hooks, connection=self.connection,
                                      profile=profile, job=self.coordinator.job_id(),
-                                     faults=self.faults if self.faults.checkpoint_faults else None)
-        scaler = self.scaler
-        self.executor = Executor(topo, self.state, self.mode, connection=self.connection, device=self.device,
-                                 loss_fn=loss_fn, seed=config.seed, hooks=self.hooks, step=self.stepper.step,
-                                 autocast=autocast_context(config.autocast_dtype, self.device),
-                                 loss_factor=(lambda: scaler.scale) if scaler is not None else None,
-                                 decide=self.ckpt.decide if self.ckpt is not None and topo.is_first else None,
-                                 on_cut=self.ckpt.on_cut if self.ckpt is not None else None, stops=cuts.stops)
+                                     faults=self.faults if self.faults.checkpoint_faults else None,
+                                     flush=self._flush_sends)
+            for k, st in enumerate(self.stages):
+                ex = st.executor
+                ex.on_cut = (lambda cut, flags, k=k: self._on_cut(cut, flags, k))
+                if st.topo.is_first:
+                    ex.decide = self.ckpt.decide
         if config.replan is not None:
             self._start_replanning(config.replan)
         self.fingerprint = hashlib.sha256(json.dumps(
             [plan_hash(plan, self.mode), plan.profile_hash, checkpoint.url if checkpoint else None]).encode()).hexdigest()
         self.inplace: InPlace | None = None
-        """This rank's part in in-place recovery (see :mod:`pipedream_ft.ft.inplace`); ``None`` without it."""
+        """This process's part in in-place recovery (see :mod:`pipedream_ft.ft.inplace`); ``None`` without it."""
         if self.in_place:
             self.inplace = InPlace(env, coordinator=self.coordinator, checkpointer=self.ckpt, faults=self.faults,
                                    hooks=self.hooks, fingerprint=self.fingerprint, timeout_s=config.timeout_s,
@@ -269,19 +314,138 @@ class PipelineTrainer:
         self.redone = 0
         self.resumed_from = self._start()
         self.timeline["restored"] = time.time()
-        self.hooks.on_event("start", attempt=env.restart_count, resumed_from=self.resumed_from)
+        self._each_hooks(lambda h: h.on_event("start", attempt=env.restart_count, resumed_from=self.resumed_from))
         if self.resumed_from is not None:
             self._log_resume()
         _OPEN.add(self)
 
     # -- set-up ---------------------------------------------------------------------------------------------
 
+    def _virtual_plan(self, plan: Plan, schedule: str | WindowSchedule, storage: Storage | None,
+                      model_hash: str | None, num_layers: int) -> Plan:
+        """The plan of a schedule of several stages per process: ``W v`` stages for ``W`` processes (planned again
+        from the profile, or the one stored with the checkpoints, when the plan has another count; or the stored
+        re-plan from measured costs), laid out as the schedule places them (:attr:`layout`)."""
+        env, config = self.env, self.config
+        stages = env.world_size * stages_per_process(schedule, plan, env.world_size)
+        if plan.num_stages != stages and isinstance(schedule, str) and (self.profile is not None or
+                                                                      storage is not None):
+            # the job runs on another number of processes than the plan was made for: plan as many stages again
+            plan = replan_for_world(plan, self.profile, stages, rank=env.rank, storage=storage)
+        elif storage is not None:
+            layout = virtual_layout(schedule, plan, env.world_size, config.flush_every)
+            plan = self._replanned(plan, storage, make_mode(config.mode, config.flush_every, config.update_every,
+                                                            layout))
+        layout = virtual_layout(schedule, plan, env.world_size, config.flush_every)
+        assert layout is not None
+        stage_plan(plan).check_fits(profile_hash=model_hash, num_layers=num_layers, world_size=plan.num_stages)
+        self.layout = layout
+        return plan
+
+    def _replanned(self, plan: Plan, storage: Storage, mode: Mode | None = None) -> Plan:
+        """The plan the job re-planned ``plan`` into from measured costs, if it did (see :mod:`pipedream_ft.ft.replan`)."""
+        mode = mode if mode is not None else self.mode
+        replanned = load_replanned(storage, plan, lambda p: plan_hash(p, mode))
+        if replanned is not plan and self.env.rank == 0:
+            say(f"pipedream-ft: the job re-planned {describe_plan(plan)} into {describe_plan(replanned)}; "
+                "continuing on it", sys.stdout)
+        return replanned
+
+    def _build_stage(self, model: nn.Module, plan: Plan, topo: Topology, k: int,
+                     loss_fn: Callable[[Any, Any], torch.Tensor],
+                     optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                     extra_state: dict[str, Any] | None, scheduler_factory: SchedulerFactory | None,
+                     init: Init | None) -> _Stage:
+        """This process's ``k``-th stage (``topo``'s) from its own copy ``model`` of the model."""
+        config, env = self.config, self.env
+        several = self.layout is not None
+        s = topo.stage
+        ml = model_layers(model)
+        module = build_stage(ml, plan, s)
+        if init is not None or has_meta(model):  # only this stage's tensors get storage (and values)
+            materialize_stage(model, [module], init=init, seed=config.seed, also=[ml.root])
+        module = module.to(self.device)
+        connection: Connection | StageConnection = self.connection
+        if several:
+            assert self.layout is not None
+            connection = StageConnection(self.connection, StageRoute(s, tuple(self.layout.placement)), self.handoff)
+        specs = find_tied(ml, executed_layers(ml, plan.layer_to_stage, plan.num_stages, plan.recompute))
+        self.tied_specs = specs
+        tied = None
+        if any(s in spec.stages for spec in specs):
+            objects = dict(ml.root.named_parameters(remove_duplicate=False))
+            tied = TiedParameters(specs, objects, module, topo, self.mode, optimizer_factory,
+                                  connection=connection)  # type: ignore[arg-type]
+            tied.defer = several  # a holder on this process may give its gradient later in the window's updates
+        state = StageState(module, optimizer_factory, stage=s, replica=topo.replica,
+                           keep=self.mode.versions_kept(topo), extra=extra_state, tied=tied)
+        meter = ActivationMeter(lambda: self._weight_tensors(state))
+        meter.attach(module)
+        if tied is not None and scheduler_factory is not None:
+            tied.attach_schedulers(scheduler_factory)
+        scheduler = attach_scheduler(state, scheduler_factory, optimizer_factory)
+        scaler = LossScaler(config.loss_scale) if config.autocast_dtype == torch.float16 else None
+        if scaler is not None:
+            state.components["loss_scale"] = scaler
+        data_state = DataComponent()
+        if topo.is_first:
+            state.components["data"] = data_state
+        stepper = Stepper(state, topo=topo, synchronous=not self.mode.asynchronous,
+                          connection=connection,  # type: ignore[arg-type]
+                          clip_grad_norm=config.clip_grad_norm, scaler=scaler,
+                          scheduler=scheduler, compensation=config.compensation,
+                          delay=self.mode.delay(topo))
+        own = HookList()
+        if config.trace_dir:
+            row = (env.rank, f"rank {env.rank} · stages {', '.join(map(str, self.stage_indices))}") if several else None
+            own.add(TimelineHook(TimelineRecorder(config.trace_dir, rank=env.rank * len(self.stage_indices) + k
+                                                  if several else env.rank, stage=s, replica=topo.replica,
+                                                  attempt=env.restart_count, process=env.incarnation, row=row),
+                                 topo.replica))
+        executor_box: list[Executor] = []
+        if config.metrics_dir:
+            writer = MetricsWriter(config.metrics_dir, env.rank * len(self.stage_indices) + k if several else env.rank)
+            own.add(MetricsHook(writer, rank=env.rank, stage=s, attempt=env.restart_count,
+                                stats=lambda: executor_box[0].stats, last_loss=self._last_loss,
+                                extra=self._metrics_extra))
+        hooks = HookList()
+        for h in self._front:
+            hooks.add(h)
+        for h in own.hooks:
+            hooks.add(h)
+        for h in self._back:
+            hooks.add(h)
+        hooks.add(meter)
+        own.add(meter)
+        step = stepper.step
+        if several:
+            totals = self._totals
+            step = (lambda: stepper.step(totals.pop(s, None)))
+        executor = Executor(topo, state, self.mode, connection=connection,  # type: ignore[arg-type]
+                            device=self.device, loss_fn=loss_fn, seed=config.seed, hooks=hooks, step=step,
+                            autocast=autocast_context(config.autocast_dtype, self.device),
+                            loss_factor=(lambda: scaler.scale) if scaler is not None else None, stops=cuts.stops,
+                            colocated=frozenset(self.stage_indices) - {s} if several else frozenset(),
+                            handoff=self.handoff if several else None)
+        executor_box.append(executor)
+        record = TrainRecord(lambda: executor.losses)
+        state.components["record"] = record  # a restored part brings its call's loss history back
+        return _Stage(topo, state, stepper, executor, connection, data_state, meter, record, scaler,
+                      scheduler.scheduler if scheduler is not None else None, own)
+
+    def _links(self) -> list[tuple[int, str]]:
+        """``(peer, link)`` of every message stream of this process (under NCCL, a communicator each)."""
+        if self.layout is None:
+            topo, tied = self.topo, self.state.tied
+            return topo.links() + target_links(topo) + (tied.links() if tied else [])
+        return stage_links(self.layout.placement, self.stage_indices, [spec.stages for spec in self.tied_specs])
+
     def _start(self) -> int | None:
         """Join the group and restore what there is to restore; returns the position resumed from (or None).
 
         A replacement process (in-place recovery) joins the running group's next epoch and restores the cut
-        every rank agrees on; any other process agrees on a fresh namespace with every rank of its attempt and,
-        with checkpointing, resumes from the newest checkpoint they can all restore."""
+        every process agrees on; any other process agrees on a fresh namespace with every process of its attempt
+        and, with checkpointing, resumes from the newest checkpoint they can all restore."""
         env = self.env
         if self.inplace is not None and env.incarnation > 0 and env.live_round:
             return self.inplace.join(self._side, env.live_round, self.timeline).cut
@@ -293,7 +457,7 @@ class PipelineTrainer:
         return self.ckpt.resume() if self.ckpt is not None else None
 
     def _start_replanning(self, policy: RePlanPolicy) -> None:
-        """Measure this stage's costs (every rank) and decide re-plans (rank 0); see
+        """Measure each stage's costs (every process) and decide re-plans (rank 0); see
         :mod:`pipedream_ft.ft.replan_control`."""
         if self.ckpt is None or self.ckpt.storage is None:
             raise PipelineSetupError("re-planning needs a durable checkpoint tier (CheckpointConfig(url=...)): the "
@@ -301,12 +465,18 @@ class PipelineTrainer:
         if self.profile is None:
             self.profile = load_stored_profile(self.ckpt.storage)
         key = plan_hash(self.plan, self.mode)
-        self.hooks.add(Measure(policy, lambda: self.executor.stats, self.topo.stage,
-                               lambda value: self.coordinator.publish_measurement(key, value)))
-        if self.topo.rank == 0:
+        several = self.layout is not None
+        for st in self.stages:
+            slot = st.index if several else None
+            measure = Measure(policy, (lambda ex=st.executor: ex.stats), st.index,
+                              (lambda value, slot=slot: self.coordinator.publish_measurement(key, value, slot)))
+            st.own.add(measure)
+            st.executor.hooks.add(measure)
+        if self.env.rank == 0:
             control = RePlanControl(policy, plan=self.plan, profile=self.profile, key=key,
-                                    world_size=self.env.world_size, coordinator=self.coordinator,
-                                    storage=self.ckpt.storage)
+                                    world_size=self.plan.num_stages if several else self.env.world_size,
+                                    coordinator=self.coordinator, storage=self.ckpt.storage,
+                                    slots=range(self.plan.num_stages) if several else None)
             self.ckpt.replan_due = control.due
 
     def _connect(self, store: Any, cancelled: Callable[[], bool] | None = None) -> None:
@@ -318,9 +488,25 @@ class PipelineTrainer:
 
     def _release(self) -> None:
         """Let go of this epoch's groups and of every pending operation on them: their connections close, so
-        every rank still waiting on this one fails at once and joins the recovery too."""
-        self.executor.abandon()
+        every process still waiting on this one fails at once and joins the recovery too."""
+        for st in self.stages:
+            st.executor.abandon()
+            if isinstance(st.connection, StageConnection):
+                st.connection.forget()
+        self.handoff.clear()
         self.connection.release()
+
+    def _flush_sends(self) -> None:
+        """Wait for every send of this process (each stage's, with several)."""
+        if self.layout is None:
+            self.connection.flush()
+        else:
+            for st in self.stages:
+                st.connection.flush()
+
+    def _on_cut(self, cut: int, flags: int, k: int) -> None:
+        assert self.ckpt is not None
+        self.ckpt.on_cut(cut, flags, k)
 
     @property
     def group(self) -> CommGroup:
@@ -329,20 +515,21 @@ class PipelineTrainer:
 
     @property
     def messenger(self) -> Messenger:
-        """The current epoch's messenger (:class:`NotConnectedError` between epochs)."""
-        return self.connection.messenger
+        """The current epoch's messenger of the (first) stage (:class:`NotConnectedError` between epochs)."""
+        return self.stages[0].connection.messenger
 
     def _recover(self, failure: str) -> None:
         """A peer failed: recover in place (see :mod:`pipedream_ft.ft.inplace`), then count the work redone."""
         assert self.inplace is not None
-        reached = max([b for b, _ in self.executor.losses], default=self.position)
+        last = self.stages[-1].executor
+        reached = max([b for b, _ in last.losses], default=self.position)
         formed, _ = self.inplace.recover(self._side, failure)
-        if self.topo.is_last:
+        if self.is_last:
             self.redone = max(0, reached + 1 - formed.cut)
 
     @property
     def membership(self) -> Membership | None:
-        """This rank's membership of the in-place recovery's epochs (``None`` without in-place recovery)."""
+        """This process's membership of the in-place recovery's epochs (``None`` without in-place recovery)."""
         return self.inplace.membership if self.inplace is not None else None
 
     @property
@@ -351,32 +538,9 @@ class PipelineTrainer:
         group formed again, the state restored and the first update after it; the epoch and the cut."""
         return self.inplace.records if self.inplace is not None else []
 
-    def _add_observers(self) -> None:
-        config, env, topo = self.config, self.env, self.topo
-        if config.watchdog_s:
-            self.hooks.add(WatchdogHook(Watchdog(config.watchdog_s, rank=env.rank, health_file=config.health_file),
-                                        topo.stage))
-        if config.trace_dir:
-            turns = self.turns  # a stage of several in one process: drawn on the process's row
-            row = (turns.rank, f"rank {turns.rank} · stages {', '.join(map(str, turns.stages))}") if turns else None
-            self.hooks.add(TimelineHook(TimelineRecorder(config.trace_dir, rank=env.rank, stage=topo.stage,
-                                                         replica=topo.replica, attempt=env.restart_count,
-                                                         process=env.incarnation, row=row),
-                                        topo.replica))
-        if config.metrics_dir:
-            self.hooks.add(MetricsHook(MetricsWriter(config.metrics_dir, env.rank), rank=env.rank, stage=topo.stage,
-                                       attempt=env.restart_count, stats=lambda: self.executor.stats,
-                                       last_loss=self._last_loss, extra=self._metrics_extra))
-        reporter = topo.is_last and topo.replica == 0
-        self.progress = ProgressHook(bar=config.progress and env.rank == 0,
-                                     report=self.coordinator.report_progress if reporter else None,
-                                     last_loss=self._last_loss, reported_loss=self.coordinator.last_loss)
-        self.hooks.add(self.progress)
-        self.hooks.add(_Milestones(self.timeline, lambda: self.recoveries))
-
     def _last_loss(self) -> float | None:
-        losses = self.executor.losses
-        return losses[-1][1] if self.topo.is_last and losses else None
+        losses = self.stages[-1].executor.losses
+        return losses[-1][1] if self.is_last and losses else None
 
     def _metrics_extra(self) -> dict[str, Any]:
         out: dict[str, Any] = {"restarts": self.env.restart_count, "redone": self.redone,
@@ -397,6 +561,13 @@ class PipelineTrainer:
             say(f"pipedream-ft: resumed from checkpoint {self.position} (attempt {self.env.restart_count})"
                 + (f"; redoing {self.redone} minibatches" if reached is not None else ""), sys.stdout)
 
+    def _each_hooks(self, call: Callable[[Hooks], None]) -> None:
+        """Call every hook of the process once: its own, and each stage's (several stages)."""
+        call(self.hooks)
+        if self.layout is not None:
+            for st in self.stages:
+                call(st.own)
+
     # -- views ----------------------------------------------------------------------------------------------
 
     @property
@@ -406,6 +577,7 @@ class PipelineTrainer:
 
     @property
     def stage_index(self) -> int:
+        """This process's (first) stage."""
         return self.topo.stage
 
     @property
@@ -414,11 +586,13 @@ class PipelineTrainer:
 
     @property
     def is_first(self) -> bool:
-        return self.topo.is_first
+        """Whether this process runs stage 0."""
+        return self.stages[0].topo.is_first
 
     @property
     def is_last(self) -> bool:
-        return self.topo.is_last
+        """Whether this process runs the last stage."""
+        return self.stages[-1].topo.is_last
 
     @property
     def module(self) -> nn.Module:
@@ -430,24 +604,49 @@ class PipelineTrainer:
 
     @property
     def stats(self) -> RankStats:
-        return self.executor.stats
+        """Where this process's time went (over its stages, with several)."""
+        if len(self.stages) == 1:
+            return self.executor.stats
+        return merged_stats([st.executor.stats for st in self.stages])
 
     # -- training -------------------------------------------------------------------------------------------
 
-    def _feed_for(self, data: Any, steps: int) -> CallableFeed | StreamFeed:
-        self._feed = training_feed(data, self._feed, topo=self.topo, connection=self.connection,
-                                   component=self.data_state, position=self.position, steps=steps,
-                                   checkpointing=self.ckpt is not None)
-        return self._feed
+    def _feeds_for(self, data: Any, steps: int) -> None:
+        for st in self.stages:
+            st.feed = training_feed(data, st.feed, topo=st.topo, connection=st.connection,  # type: ignore[arg-type]
+                                    component=st.data_state, position=self.position, steps=steps,
+                                    checkpointing=self.ckpt is not None)
+
+    @property
+    def _feed(self) -> CallableFeed | StreamFeed | None:
+        return self.stages[0].feed
 
     def preflight(self, data: DataFn | Any) -> None:
         """Check every stage on one minibatch before training (see :meth:`Executor.preflight`). A collective."""
-        feed = self._feed_for(data, 0)
-        feed.prepare(self.position)
-        self.executor.preflight(feed)
+        self._feeds_for(data, 0)
+        self._preflight()
+
+    def _preflight(self) -> None:
+        for st in self.stages:  # first every stage's targets on their way (the last stage waits for them)
+            assert st.feed is not None
+            st.feed.prepare(self.position)
+        agree_preflight(self.connection.group, [st.executor.preflight_check(st.feed)  # type: ignore[arg-type]
+                                                for st in self.stages])
+        for st in self.stages:
+            st.executor.preflight_done = True
 
     def schedule(self, start: int, stop: int) -> list[Action]:
+        """This process's compute and update actions for minibatches ``[start, stop)``, in order."""
+        if self.layout is not None:
+            return self.layout.rank_actions(self.env.rank, start, stop)
         return self.mode.schedule(self.topo, start, stop)
+
+    def lowered(self, start: int, stop: int) -> list[Action]:
+        """What this process runs for minibatches ``[start, stop)``: :meth:`schedule` with the sends and receives
+        to and from the other processes, receives posted early."""
+        if self.layout is not None:
+            return process_actions(self.layout, self.env.rank, start, stop)
+        return self.mode.lowered(self.topo, start, stop)
 
     def train(self, data: DataFn | Any, steps: int) -> TrainResult:
         """Train minibatches ``position .. position + steps - 1`` and drain the pipeline. A collective.
@@ -468,25 +667,28 @@ class PipelineTrainer:
         if steps < 0 or steps % window:
             raise InvalidArgument(f"steps must be a non-negative multiple of {window} for this plan and mode, "
                                   f"got {steps}")
-        ex = self.executor
-        self._feed_for(data, steps)
+        self._feeds_for(data, steps)
         stop = self.position + steps
         t0 = time.perf_counter()
         began = self.position
-        start, ex.losses = self.record.begin(began, stop)
+        start = began
+        for k, st in enumerate(self.stages):
+            first, st.executor.losses = st.record.begin(began, stop)
+            if k == 0:
+                start = first
         if steps:
             self._keep_start_cut()
-        self.hooks.on_train_start(start, stop)
+        self._each_hooks(lambda h: h.on_train_start(start, stop))
         mark_training()  # an error from now on is a crash, not a set-up error (see pipedream_ft.crashlog)
         try:
             while True:
-                failure = self._run(data, stop)
+                failure = self._run(stop)
                 if failure is None:
-                    self.hooks.on_event("gathering")
+                    self._each_hooks(lambda h: h.on_event("gathering"))
                     failure, losses = self._gather_losses()
                     trained = time.perf_counter()  # the result's time: training, not the checkpoints' commit
                 if failure is None and finish:
-                    self.hooks.on_event("finishing")
+                    self._each_hooks(lambda h: h.on_event("finishing"))
                     failure = self._finish_checkpoints(stop)
                 if failure is None:
                     break
@@ -496,69 +698,126 @@ class PipelineTrainer:
                 self.ckpt.stand_down()
             raise
         finally:
-            self.record.end()
-            self.hooks.on_train_end(start, stop)
-        self.state.position = stop
+            for st in self.stages:
+                st.record.end()
+            self._each_hooks(lambda h: h.on_train_end(start, stop))
+        for st in self.stages:
+            st.state.position = stop
         self.progress.report(stop, force=True)
         seconds = trained - t0
-        result = TrainResult(losses, start, seconds, ex.stats, trained=stop - began)
+        result = TrainResult(losses, start, seconds, self.stats, trained=stop - began)
         if self.config.summary:
             self._print_summary(seconds)
         return result
 
     def _keep_start_cut(self) -> None:
         """With in-place recovery, make the position training starts from a cut of the memory tier (unless this
-        rank's part of it is there already), and wait until it is stored: so there is always a cut that every rank
-        can restore, even when a rank fails before the policy's first one (a replacement could rebuild the initial
-        state, but the survivors no longer have it)."""
+        process's parts of it are there already), and wait until it is stored: so there is always a cut that
+        every process can restore, even when one fails before the policy's first one (a replacement could rebuild
+        the initial state, but the survivors no longer have it)."""
         ckpt = self.ckpt
         if self.membership is None or ckpt is None or ckpt.memory is None or ckpt.memory_tier is None:
             return
-        if self.position not in ckpt.memory_tier.steps([ckpt.part]):
-            ckpt.on_cut(self.position, 0)
+        if any(self.position not in ckpt.memory_tier.steps([name]) for name in ckpt.names):
+            for k in range(len(self.stages)):
+                ckpt.on_cut(self.position, 0, k)
         ckpt.flush_memory(timeout=ckpt.config.commit_timeout_s)
 
-    def _run(self, data: DataFn, stop: int) -> str | None:
-        """Run the schedule from the current position to ``stop``. Returns ``None`` when done, or — with in-place
-        recovery — why the group failed (the exception and its frames, which hold pending operations, are gone
-        by the time the caller recovers)."""
-        ex, turns = self.executor, self.turns
+    def _run(self, stop: int) -> str | None:
+        """Run this process's lowered list from the current position to ``stop``. Returns ``None`` when done, or
+        — with in-place recovery — why the group failed (the exception and its frames, which hold pending
+        operations, are gone by the time the caller recovers)."""
         try:
-            feed = self._feed
-            assert feed is not None
-            if not ex.preflight_done:
-                feed.prepare(self.position)
-                ex.preflight(feed)
-            actions = self.mode.lowered(self.topo, self.position, stop)
-            if turns is not None:
-                turns.begin(self.topo.stage, self.position, stop)
-            for action in actions:
-                self.hooks.on_action(action)
-                # a send or a receive only posts its message: it takes no turn (virtual stages)
-                with turns.turn(action) if turns is not None and action.kind not in COMMUNICATION \
-                        else contextlib.nullcontext():
-                    ex.run(action, feed)
-                if self.ckpt is not None:
-                    self.ckpt.announce_preemption()
-            if self.state.tied:
-                self.state.tied.drain(stop // self.mode.update_unit(self.topo))
-            self.hooks.on_event("draining")
-            self.connection.flush()
+            if not all(st.executor.preflight_done for st in self.stages):
+                self._preflight()
+            actions = self.lowered(self.position, stop)
+            if self.layout is None:
+                self._run_one(actions)
+            else:
+                self._run_several(actions)
+            for st in self.stages:
+                if st.state.tied:
+                    st.state.tied.drain(stop // self.mode.update_unit(st.topo))
+            self._each_hooks(lambda h: h.on_event("draining"))
+            self._flush_sends()
+            if len(self.handoff):
+                raise PipelineSetupError(f"process {self.env.rank}: {len(self.handoff)} value(s) handed between its "
+                                         "stages were never taken: the lowered schedule is out of order")
             self.faults.at_drained()
             return None
         except PipelineSetupError as exc:  # found here; any recovery would meet it again: the whole group stops
-            if exc.agreed:  # every rank holds this same line already (the pre-flight's check is a collective)
+            if exc.agreed:  # every process holds this same line already (the pre-flight's check is a collective)
                 raise
             self.coordinator.publish_job_error(str(exc))
-            error = self.coordinator.job_error()  # as every rank reads it (the first published), for the same line
+            error = self.coordinator.job_error()  # as every process reads it (the first published), the same line
             if error is not None:
                 raise JobError(error) from exc
             raise
         except PeerTimeoutError as exc:
             return self._peer_failure(exc)
+
+    def _run_one(self, actions: list[Action]) -> None:
+        """One stage: every action to its executor, in order."""
+        ex, hooks, ckpt, feed = self.executor, self.hooks, self.ckpt, self.stages[0].feed
+        for action in actions:
+            hooks.on_action(action)
+            ex.run(action, feed)  # type: ignore[arg-type]
+            if ckpt is not None:
+                ckpt.announce_preemption()
+
+    def _run_several(self, actions: list[Action]) -> None:
+        """Several stages: each action to its stage's executor, in order; a window's updates together (see
+        :meth:`_updates`)."""
+        by_stage = {st.index: st for st in self.stages}
+        ckpt = self.ckpt
+        i, n = 0, len(actions)
+        while i < n:
+            action = actions[i]
+            if action.kind is Kind.U:
+                i = self._updates(actions, i, by_stage)
+                continue
+            st = by_stage[action.stage]
+            st.executor.hooks.on_action(action)
+            st.executor.run(action, st.feed)  # type: ignore[arg-type]
+            if ckpt is not None:
+                ckpt.announce_preemption()
+            i += 1
+
+    def _updates(self, actions: list[Action], i: int, by_stage: dict[int, _Stage]) -> int:
+        """Run the window's updates that start at ``actions[i]`` — with the sends and receives among them, in the
+        list's order — together: one all-reduce of every stage's gradient norms and overflow flags first (when
+        clipping or scaling), and each tied update once every holder on this process has given its gradient.
+        Returns the index after them."""
+        j = i
+        while j < len(actions) and (actions[j].kind is Kind.U or actions[j].kind in COMMUNICATION):
+            j += 1
+        group = actions[i:j]
+        updates = [a for a in group if a.kind is Kind.U]
+        if len({a.index for a in updates}) != 1 or sorted(a.stage for a in updates) != self.stage_indices:
+            raise PipelineSetupError(f"process {self.env.rank} updates {', '.join(map(str, updates))} together: a "
+                                     f"window's updates must come together, one for each of stages "
+                                     f"{self.stage_indices}")
+        stages = [by_stage[a.stage] for a in updates]
+        if stages[0].stepper.agrees:
+            flat = sum(st.stepper.terms() for st in stages)
+            assert isinstance(flat, torch.Tensor)
+            self.connection.messenger.wait(self.connection.group.control.allreduce([flat]),
+                                           "all-reduce of gradient norms and overflow flags over every stage")
+            for st in stages:
+                self._totals[st.index] = flat
+        try:
+            for a in group:
+                st = by_stage[a.stage]
+                st.executor.hooks.on_action(a)
+                st.executor.run(a, st.feed)  # type: ignore[arg-type]
         finally:
-            if turns is not None:
-                turns.leave(self.topo.stage)
+            self._totals.clear()
+        for a, st in zip(updates, stages):
+            if st.state.tied:
+                st.state.tied.drain(a.index + 1)
+        if self.ckpt is not None:
+            self.ckpt.announce_preemption()
+        return j
 
     def _peer_failure(self, exc: PeerTimeoutError) -> str:
         """A peer's failure seen by :meth:`_run` or :meth:`_gather_losses`: the job's error if one was published
@@ -572,12 +831,14 @@ class PipelineTrainer:
         return str(exc)
 
     def _gather_losses(self) -> tuple[str | None, list[float]]:
-        """Every minibatch's loss of the call, on every rank; or — with in-place recovery — why the group failed
-        while gathering them. The gather is the last collective of the recoverable region: a peer that dies while
-        the others wait here (they finished their last minibatch, it had not) is recovered like one that dies
-        while they train, instead of failing the ranks that were done."""
+        """Every minibatch's loss of the call, on every process; or — with in-place recovery — why the group
+        failed while gathering them. The gather is the last collective of the recoverable region: a peer that
+        dies while the others wait here (they finished their last minibatch, it had not) is recovered like one
+        that dies while they train, instead of failing the processes that were done."""
         try:
-            return None, self.executor.gather_losses()
+            mine = self.stages[-1].executor.losses if self.is_last else []
+            merged = sorted(x for part in self.connection.group.all_gather_object(mine) if part for x in part)
+            return None, [loss for _, loss in merged]
         except PeerTimeoutError as exc:
             return self._peer_failure(exc), []
 
@@ -594,10 +855,10 @@ class PipelineTrainer:
             return self._peer_failure(exc)
 
     def _print_summary(self, seconds: float) -> None:
-        """Gather every rank's statistics and print a table on rank 0. A collective."""
-        rows = self.group.all_gather_object({**self._stats_row(), "seconds": seconds})
+        """Gather every stage's statistics and print a table on rank 0. A collective."""
+        rows = self.group.all_gather_object([{**self._stats_row(st), "seconds": seconds} for st in self.stages])
         if self.env.rank == 0:
-            print(summary_table(rows), flush=True)
+            print(summary_table([r for part in rows for r in part]), flush=True)
 
     def fit(self, data: DataFn | Any, total: int) -> TrainResult:
         """Train until ``total`` minibatches are done in all, continuing from a resumed checkpoint's position;
@@ -610,45 +871,57 @@ class PipelineTrainer:
     # -- results --------------------------------------------------------------------------------------------
 
     def gather_stats(self) -> list[dict[str, Any]]:
-        """Every rank's :class:`RankStats` of the last :meth:`train` (as dicts, with its rank and stage, and under
-        ``"memory"`` its :meth:`memory_report` as a dict), in rank order, on every rank. A collective."""
-        return self.group.all_gather_object({**self._stats_row(), "memory": self.memory_report().as_dict()})
+        """Every stage's :class:`RankStats` of the last :meth:`train` (as dicts, with its process's rank and its
+        stage, and under ``"memory"`` its process's :meth:`memory_report` as a dict), in rank then stage order,
+        on every process. A collective."""
+        memory = self.memory_report().as_dict()
+        rows = self.group.all_gather_object([{**self._stats_row(st), "memory": memory} for st in self.stages])
+        return [r for part in rows for r in part]
 
-    def _weight_tensors(self) -> list[torch.Tensor]:
-        """The weight versions this stage keeps (what a forward reads as weights besides its parameters)."""
-        versions = self.state.versions
-        tied = self.state.tied
+    @staticmethod
+    def _weight_tensors(state: StageState) -> list[torch.Tensor]:
+        """The weight versions a stage keeps (what a forward reads as weights besides its parameters)."""
+        versions = state.versions
+        tied = state.tied
         kept = [versions.current, *versions.history.values()]
         if tied:
             kept += [v for g in tied.groups for v in (g.versions.current, *g.versions.history.values())]
         return [t for v in kept for t in v.tensors]
 
     def memory_report(self) -> MemoryReport:
-        """This process's memory: its stage's weights, gradients, optimizer state, weight versions and in-flight
+        """This process's memory: its stages' weights, gradients, optimizer state, weight versions and in-flight
         activations against its peak and the plan's prediction (see :mod:`pipedream_ft.pipeline.memory_report`)."""
         predicted = None
         if self.profile is not None:
             from partitioner.cost import stage_memory
 
-            layers = [self.profile.layers[i] for i in self.plan.stages[self.topo.stage].layers]
-            predicted = float(stage_memory(sum(layer.parameter_bytes for layer in layers),
-                                           sum(layer.activation_bytes for layer in layers),
-                                           self.plan.num_stages - self.topo.stage))
-        tied = self.state.tied
-        return memory_report(stage=self.topo.stage, module=self.state.module,
-                             optimizers=[self.state.optimizer, *(g.optimizer for g in (tied.groups if tied else []))],
-                             trainable=self.state.all_live_params,
-                             stash_bytes=self.executor.stats.peak_stash_bytes, meter=self._meter, device=self.device,
+            predicted = 0.0
+            for st in self.stages:
+                layers = [self.profile.layers[i] for i in self.plan.stages[st.index].layers]
+                predicted += float(stage_memory(sum(layer.parameter_bytes for layer in layers),
+                                                sum(layer.activation_bytes for layer in layers),
+                                                self.plan.num_stages - st.index))
+        tied = [g for st in self.stages if st.state.tied for g in st.state.tied.groups]
+        module = self.state.module if len(self.stages) == 1 else nn.ModuleList([st.state.module for st in self.stages])
+        return memory_report(stage=self.topo.stage, module=module,
+                             optimizers=[*(st.state.optimizer for st in self.stages), *(g.optimizer for g in tied)],
+                             trainable=[p for st in self.stages for p in st.state.all_live_params],
+                             stash_bytes=self.stats.peak_stash_bytes, meter=self._meter, device=self.device,
                              baseline=self._baseline, predicted=predicted,
                              limit=self.plan.settings.get("memory_bytes"))
 
-    def _stats_row(self) -> dict[str, Any]:
-        rank = self.turns.rank if self.turns is not None else self.env.rank  # a virtual stage's: its process's
-        return {"rank": rank, "stage": self.topo.stage, **self.executor.stats.as_dict()}
+    def _stats_row(self, st: _Stage) -> dict[str, Any]:
+        return {"rank": self.env.rank, "stage": st.index, **st.executor.stats.as_dict()}
+
+    def _modules(self) -> Any:
+        """What this process writes of the model: its (first) replica's stage modules."""
+        if len(self.stages) == 1:
+            return self.state.module
+        return _StateDicts([st.state.module for st in self.stages])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights (original keys), gathered from the stages onto every rank. A collective."""
-        mine = {k: v.detach().cpu() for k, v in self.state.module.state_dict().items()} if self.topo.replica == 0 \
+        """The whole model's weights (original keys), gathered from the stages onto every process. A collective."""
+        mine = {k: v.detach().cpu() for k, v in self._modules().state_dict().items()} if self.topo.replica == 0 \
             else {}
         out: dict[str, torch.Tensor] = {}
         for part in self.group.all_gather_object(mine):
@@ -659,38 +932,39 @@ class PipelineTrainer:
         """Mean loss (and ``metric_fn(outputs, targets)`` per minibatch) of minibatches ``0 .. steps - 1`` of
         ``data``, forward only, in eval mode, with the current weights, changing nothing (see
         :mod:`pipedream_ft.pipeline.evaluate`); between :meth:`train` calls. A collective."""
-        return evaluate(self.executor, data, steps, metric_fn,
-                        training_source=self._feed.source if self._feed is not None else None)
+        feed = self._feed
+        return evaluate_stages([st.executor for st in self.stages], data, steps, metric_fn,
+                               training_source=feed.source if feed is not None else None)
 
     def save_model(self, path: str, format: str = "torch") -> None:
         """Write the whole model's weights to ``path`` as ``"safetensors"`` (each stage writes its own tensors into
-        the one file; no process holds more than its stage) or ``"torch"`` (``torch.save``, gathered onto rank 0);
-        the plain model's ``load_state_dict(strict=True)`` accepts the file (see
+        the one file; no process holds more than its stages) or ``"torch"`` (``torch.save``, gathered onto rank
+        0); the plain model's ``load_state_dict(strict=True)`` accepts the file (see
         :mod:`pipedream_ft.pipeline.export`). A collective."""
-        save_model(self.messenger, self.state.module, replica=self.topo.replica, path=path, format=format,
+        save_model(self.messenger, self._modules(), replica=self.topo.replica, path=path, format=format,
                    stage=self.topo.stage)
 
     def save_pretrained(self, directory: str, max_shard_bytes: int = 5 * 10**9) -> None:
         """Write the whole model as a Hugging Face directory (config and safetensors shards, each stage writing its
         own) that ``AutoModelForCausalLM.from_pretrained(directory)`` loads with no missing or unexpected keys (see
         :func:`pipedream_ft.pipeline.export.save_pretrained`); for transformers models. A collective."""
-        save_pretrained(self.messenger, self.state.module, replica=self.topo.replica, directory=directory,
+        save_pretrained(self.messenger, self._modules(), replica=self.topo.replica, directory=directory,
                         pretrained=self._pretrained, max_shard_bytes=max_shard_bytes, stage=self.topo.stage)
 
     def close(self) -> None:
         """Wait for pending checkpoint commits, stop the background threads, close the traces, and shut this
-        rank's process groups down (no backend thread outlives it). Idempotent."""
+        process's groups down (no backend thread outlives it). Idempotent."""
         try:
             if self.ckpt is not None:
                 self.ckpt.close()  # raises if the last durable cut could not be committed
         finally:
-            self.hooks.close()
+            self._each_hooks(lambda h: h.close())
             if self.inplace is not None:
                 self.inplace.close()
             self.release()
 
     def release(self) -> None:
-        """Shut this rank's process groups down now (idempotent; also done at interpreter exit)."""
+        """Shut this process's groups down now (idempotent; also done at interpreter exit)."""
         if self.connection.configured:
             self._release()
         _OPEN.discard(self)
@@ -724,17 +998,18 @@ class _PipelineSide:
     def rebuild(self, store: Any, cancelled: Callable[[], bool]) -> None:
         self.t._connect(store, cancelled=cancelled)
 
-    def restore(self, part: dict[str, Any]) -> None:
-        self.t.state.restore(part)
+    def restore(self, parts: Sequence[dict[str, Any]]) -> None:
+        for st, part in zip(self.t.stages, parts, strict=True):
+            st.state.restore(part)
 
     def rewind(self, cut: int) -> None:
-        t = self.t
-        t.executor.rewind(cut)
-        feed = t._feed
-        if isinstance(feed, StreamFeed):  # stage 0 reads the source again from the restored state
-            feed.rewind()
-            if t.topo.is_first:
-                t.data_state.attach(feed, t.position)
+        for st in self.t.stages:
+            st.executor.rewind(cut)
+            feed = st.feed
+            if isinstance(feed, StreamFeed):  # stage 0 reads the source again from the restored state
+                feed.rewind()
+                if st.topo.is_first:
+                    st.data_state.attach(feed, self.t.position)
 
 
 class _Milestones(Hooks):

@@ -43,9 +43,8 @@ def checkpointed_case(url: str, stages: list[list[int]], replicas: list[int] | N
     target = stop_at if stop_at is not None else total
     result = trainer.train(data, target - trainer.position)
     counter.value += 1
-    for stage in getattr(trainer, "trainers", [trainer]):  # a process's stages (virtual stages), or itself
-        if stage.ckpt is not None:
-            stage.ckpt.writer.flush(timeout=60)
+    if trainer.ckpt is not None:
+        trainer.ckpt.flush_durable(timeout=60)
     state = trainer.full_state_dict()
     trainer.close()
     return {"state": state, "losses": result.losses, "resumed": resumed, "counter": counter.value,

@@ -194,9 +194,8 @@ def gpt_case(plan_json: dict, steps: int, mode: str = "stash", opt: str = "adam"
                               if ckpt else None)
     target = stop_at if stop_at is not None else steps
     result = trainer.train(lm_data, target - trainer.position)
-    for stage in getattr(trainer, "trainers", [trainer]):  # a process's stages (virtual stages), or itself
-        if stage.ckpt is not None:
-            stage.ckpt.writer.flush(timeout=60)
+    if trainer.ckpt is not None:
+        trainer.ckpt.flush_durable(timeout=60)
     state = trainer.full_state_dict()
     trainer.close()
     return {"state": state, "losses": result.losses, "resumed": trainer.resumed_from}

@@ -40,7 +40,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from partitioner.plan import Plan
 from profiler.profile import Profile
@@ -205,22 +205,56 @@ def refuse_per_process(storage: Storage) -> None:
             "directory every rank reaches, or an object store")
 
 
-class Checkpointer:
-    """One rank's side of checkpointing: deciding (stage 0), saving to the tiers, committing (rank 0),
-    and restoring. It talks through ``connection``, whose groups change with every in-place recovery."""
+@dataclass(eq=False)
+class _Part:
+    """One stage of the process and its checkpoint part: the part's name, its writers and its saves."""
 
-    def __init__(self, config: CheckpointConfig, *, topo: Topology, mode: Mode, state: StageState,
-                 coordinator: Coordinator, hooks: Hooks, connection: Connection,
-                 profile: Profile | None = None, job: str | None = None, faults: Any = None) -> None:
+    topo: Topology
+    state: StageState
+    name: str
+    writer: CheckpointWriter | None = None
+    memory: TierWriter | None = None
+    handles: list[Any] = field(default_factory=list)
+    """The newest durable saves' handles."""
+
+
+class Checkpointer:
+    """One process's side of checkpointing: deciding (stage 0), saving its parts to the tiers, committing
+    (rank 0), and restoring. It talks through ``connection``, whose groups change with every in-place recovery.
+
+    A process holds one part per stage it runs (``parts``: each stage's topology and state, in stage order; or
+    ``topo`` and ``state`` for a process of one stage). Everything that concerns the process — which cut every
+    process can restore, the memory tier's bookkeeping, the end of a run, preemption — is done once for all of
+    them; each part is captured, written, loaded and restored on its own, under its own name."""
+
+    def __init__(self, config: CheckpointConfig, *, mode: Mode, coordinator: Coordinator, hooks: Hooks,
+                 connection: Connection, topo: Topology | None = None, state: StageState | None = None,
+                 parts: Sequence[tuple[Topology, StageState]] = (), profile: Profile | None = None,
+                 job: str | None = None, faults: Any = None, flush: Callable[[], None] | None = None) -> None:
         """``job``: identifies the job across its processes (torchrun's run id); ``None``: no memory tier (it
         needs a job-scoped name that a restarted process finds again). ``faults``: injected failures acting
         through the declared seams (a :class:`~pipedream_ft.ft.faults.FaultInjector`: ``before_part_write`` on
-        the storage, ``before_save`` here), or ``None``."""
+        the storage, ``before_save`` here), or ``None``. ``flush``: waits for every send of the process
+        (default: ``connection.flush``)."""
+        if topo is not None and state is not None:
+            parts = [(topo, state), *parts]
+        if not parts:
+            raise ValueError("a checkpointer needs the process's stages: topo and state, or parts")
+        self.parts = [_Part(t, st, part_name(t.stage, t.replica)) for t, st in parts]
+        """This process's parts, in stage order."""
+        topo, state = parts[0]
         self.config = config
         self.topo = topo
+        """The first part's topology (the plan, the process's first stage)."""
         self.mode = mode
         self.state = state
+        """The first part's state."""
         self.coordinator = coordinator
+        env = coordinator.env
+        self.rank = env.rank
+        """This process's rank (rank 0 commits, and holds stage 0)."""
+        self.world_size = env.world_size
+        self.flush_sends = flush if flush is not None else connection.flush
         self.hooks = hooks
         self.connection = connection
         self.before_save: Callable[[int], None] | None = \
@@ -229,14 +263,14 @@ class Checkpointer:
         self.replan_due: Callable[[int], bool] | None = None
         """Stage 0: whether to stop at this cut for a better plan (see :mod:`pipedream_ft.ft.replan`)."""
         plan = topo.plan
-        self.part = part_name(topo.stage, topo.replica)
-        parts = [part_name(s.index, i) for s in plan.stages for i in range(s.replicas)]
+        self.part = self.parts[0].name
+        """The first part's name."""
+        names = [part_name(s.index, i) for s in plan.stages for i in range(s.replicas)]
         self.plan_hash = plan_hash(plan, mode)
         self.metadata = {"plan_hash": self.plan_hash, "profile_hash": plan.profile_hash,
-                         "world_size": plan.world_size, "num_stages": plan.num_stages,
+                         "world_size": plan.world_size, "workers": self.world_size, "num_stages": plan.num_stages,
                          "stages": [[list(s.layers), s.replicas] for s in plan.stages]}
         self.storage: Storage | None = None
-        self.writer: CheckpointWriter | None = None
         self.owner: Owner | None = None
         self._profile = profile
         if config.url is not None:
@@ -244,18 +278,18 @@ class Checkpointer:
                                    before_write=faults.before_part_write if faults is not None else None)
             refuse_per_process(self.storage)
             self.storage.check_writable()
-            if topo.rank == 0:
-                env = coordinator.env
+            if self.rank == 0:
                 identity = config.job_id or (f"run-{env.run_id}" if env.run_id not in ("", "none") else None) \
                     or job or f"start-{uuid.uuid4().hex[:16]}"
                 self.owner = Owner(self.storage, job=identity, model_hash=plan.profile_hash,
                                    plan_hash=self.plan_hash, lease_s=config.owner_lease_s)
-            self.writer = CheckpointWriter(self.storage, self.part, expected_parts=parts,
-                                           is_committer=topo.rank == 0, keep=config.keep,
-                                           commit_timeout_s=config.commit_timeout_s, metadata=self.metadata,
-                                           before_commit=self.owner.check if self.owner is not None else None)
+            for k, part in enumerate(self.parts):  # the process's first part commits, on rank 0
+                part.writer = CheckpointWriter(self.storage, part.name, expected_parts=names,
+                                               is_committer=self.rank == 0 and k == 0, keep=config.keep,
+                                               commit_timeout_s=config.commit_timeout_s, metadata=self.metadata,
+                                               before_commit=self.owner.check if self.owner is not None and k == 0
+                                               else None)
         self.memory_tier: MemoryTier | None = None
-        self.memory: TierWriter | None = None
         self.buddy: _BuddyTier | None = None
         self.peer_server: PeerServer | None = None
         if job is None and config.url is None:
@@ -265,14 +299,12 @@ class Checkpointer:
         if job is None and config.memory_policy is not None:
             log.info("memory checkpoint tier off: it needs torchrun's agent store or its --rdzv-id")
         if job is not None and config.memory_policy is not None:
-            env = coordinator.env
             try:
                 self.memory_tier = MemoryTier(_job_name(job, self.plan_hash, env.node), key=coordinator.secret())
             except UntrustedTierError as exc:  # another user's directory at the tier's path: never use it
                 if env.local_rank == 0:
                     say(f"pipedream-ft: {exc}; the memory tier is off on this node")
         if self.memory_tier is not None:
-            env = coordinator.env
             tiers: list[Tier] = [self.memory_tier]
             several_machines = env.ranks_per_node < env.world_size
             if config.peer_copy or (config.peer_copy is None and several_machines):
@@ -285,9 +317,15 @@ class Checkpointer:
                 buddy = (env.rank + (env.ranks_per_node if several_machines else 1)) % env.world_size
                 self.buddy = _BuddyTier(lambda: coordinator.peer_server(buddy), token=token, timeout_s=10.0)
                 tiers.append(self.buddy)
-            # the writer keeps everything: :meth:`_collect_memory` deletes what every rank has a newer cut of
-            self.memory = TierWriter(tiers, self.part, keep=1 << 30)
-        self._memory_saves: list[Any] = []
+            # the writers keep everything: :meth:`_collect_memory` deletes what every rank has a newer cut of
+            for part in self.parts:
+                part.memory = TierWriter(tiers, part.name, keep=1 << 30)
+        self._memory_saves: list[tuple[int, list[Any]]] = []
+        """Each memory-tier cut not yet stored, with its parts' saves."""
+        self._cut_memory: dict[int, list[Any]] = {}
+        """The memory-tier saves of a cut whose parts are not all saved yet."""
+        self._saving: dict[int, tuple[bool, bool, set[int]]] = {}
+        """A cut some parts have saved and others not yet: its tiers, and the parts done."""
         self._memory_published = -1
         self.window = mode.window(topo)
         self.last_cut = -1
@@ -307,7 +345,6 @@ class Checkpointer:
         self._last_store_check = 0.0
         self._last_forward = time.monotonic()
         self.last_save_s = 0.0
-        self._handles: list[Any] = []
         self._started = time.time()
         self.unfinished: str | None = None
         """After :meth:`finish`: why the last durable cut is not committed (``None`` if it is, or none was due)."""
@@ -318,20 +355,51 @@ class Checkpointer:
         return self.connection.group
 
     @property
+    def writer(self) -> CheckpointWriter | None:
+        """The first part's durable writer (on rank 0, the committer); ``None`` without a durable tier."""
+        return self.parts[0].writer
+
+    @writer.setter
+    def writer(self, writer: CheckpointWriter | None) -> None:
+        self.parts[0].writer = writer
+
+    @property
+    def memory(self) -> TierWriter | None:
+        """The first part's memory-tier writer; ``None`` without a memory tier."""
+        return self.parts[0].memory
+
+    @property
+    def _handles(self) -> list[Any]:
+        return self.parts[0].handles
+
+    @property
+    def names(self) -> list[str]:
+        """The process's parts' names."""
+        return [p.name for p in self.parts]
+
+    def flush_durable(self, timeout: float | None = None) -> bool:
+        """Wait until every part saved so far is durable (and, on rank 0, committed)."""
+        return all([p.writer.flush(timeout=timeout) for p in self.parts if p.writer is not None])
+
+    @property
     def tiers(self) -> list[str]:
         return [name for name, on in (("memory", self.memory is not None), ("durable", self.writer is not None)) if on]
 
     # -- restoring ------------------------------------------------------------------------------------------
 
     def restorable_cuts(self) -> list[int]:
-        """The cuts at which this rank's part of this plan is in some tier (not yet verified)."""
-        cuts: set[int] = set()
-        for tier in (self.memory_tier, self.buddy):
-            if tier is not None:
-                try:
-                    cuts.update(tier.steps([self.part]))
-                except Exception as exc:  # an unreadable tier, a dead buddy: nothing there for us
-                    log.warning("%s tier unreadable: %s", tier.name, exc)
+        """The cuts at which every part of this process, of this plan, is in some tier (not yet verified)."""
+        cuts: set[int] | None = None
+        for part in self.parts:
+            mine: set[int] = set()
+            for tier in (self.memory_tier, self.buddy):
+                if tier is not None:
+                    try:
+                        mine.update(tier.steps([part.name]))
+                    except Exception as exc:  # an unreadable tier, a dead buddy: nothing there for us
+                        log.warning("%s tier unreadable: %s", tier.name, exc)
+            cuts = mine if cuts is None else cuts & mine
+        assert cuts is not None
         if self.storage is not None and self.config.resume:
             cuts.update(self._durable_cuts())
         return sorted(cuts)
@@ -347,22 +415,30 @@ class Checkpointer:
                 continue
         return out
 
-    def load(self, cut: int) -> dict[str, Any]:
-        """This rank's part at ``cut``, from the fastest tier that has it and verifies.
-        Raises :class:`CorruptCheckpointError` if none does."""
+    def load(self, cut: int) -> list[dict[str, Any]]:
+        """This process's parts at ``cut`` (in stage order), each from the fastest tier that has it and verifies.
+        Raises :class:`CorruptCheckpointError` if some part verifies in none."""
+        return [self._load_part(cut, part.name) for part in self.parts]
+
+    def _load_part(self, cut: int, name: str) -> dict[str, Any]:
         problems = []
         for tier in (self.memory_tier, self.buddy):
             if tier is not None:
                 try:
-                    return tier.get(cut, self.part)
+                    return tier.get(cut, name)
                 except CheckpointError as exc:
                     problems.append(f"{tier.name} tier: {exc}")
         if self.storage is not None:
             try:
-                return load_part(self.storage, cut, self.part)
+                return load_part(self.storage, cut, name)
             except CheckpointError as exc:
                 problems.append(f"durable tier: {exc}")
-        raise CorruptCheckpointError(f"cut {cut}: part {self.part} cannot be restored ({'; '.join(problems)})")
+        raise CorruptCheckpointError(f"cut {cut}: part {name} cannot be restored ({'; '.join(problems)})")
+
+    def restore(self, parts: Sequence[dict[str, Any]]) -> None:
+        """Put :meth:`load`'s parts in place, each into its stage's state."""
+        for part, loaded in zip(self.parts, parts, strict=True):
+            part.state.restore(loaded)
 
     def restored(self, cut: int, *, durable: bool = False) -> None:
         """The state was rolled back to ``cut``: decide and save cuts after it again. What the durable tier holds
@@ -377,18 +453,22 @@ class Checkpointer:
             self.owner.adopt()
             self.owner.start_heartbeat()
         if self.writer is not None:
-            retired = self.writer.rewind(cut)
+            retired: list[int] = []
+            for part in self.parts:
+                assert part.writer is not None
+                retired = part.writer.rewind(cut) or retired
             if retired:
                 say(f"pipedream-ft: resumed at {cut}; checkpoints {', '.join(map(str, retired))} of the abandoned "
                     "history retired", sys.stdout)
             if self.last_saved > cut:
                 self.last_saved = -1
             if durable and self.last_saved != cut:
-                handle = self.writer.save(cut, self.state.capture(cut, frozen=immutable))
+                for part in self.parts:
+                    assert part.writer is not None
+                    part.handles.append(part.writer.save(cut, part.state.capture(cut, frozen=immutable)))
+                    del part.handles[:-4]
                 self.last_saved = cut
-                self._handles.append(handle)
-                del self._handles[:-4]
-                log.info("rank %d: durable part of cut %d saved again after the recovery", self.topo.rank, cut)
+                log.info("rank %d: durable parts of cut %d saved again after the recovery", self.rank, cut)
         self.last_cut = cut
         for policy in (self.config.policy, self.config.memory_policy):
             if policy is not None:
@@ -408,7 +488,7 @@ class Checkpointer:
             common &= set(cuts)
         others: list[int] = []
         if self.storage is not None:
-            committed = self.group.all_gather_object(list_committed(self.storage) if self.topo.rank == 0 else None)[0]
+            committed = self.group.all_gather_object(list_committed(self.storage) if self.rank == 0 else None)[0]
             others = [step for step in committed if step not in common]
         for step, same in sorted([(c, True) for c in common] + [(c, False) for c in others], reverse=True):
             start = self._restore_same(step) if same else self._restore_resharded(step)
@@ -438,26 +518,27 @@ class Checkpointer:
             raise OwnershipError(problem)
 
     def _restore_same(self, cut: int) -> int | None:
-        """Load this rank's part of ``cut`` (written under this plan); ``None`` if some rank's part does not verify."""
-        part, problem = None, ""
+        """Load this process's parts of ``cut`` (written under this plan); ``None`` if some part of any process
+        does not verify."""
+        loaded, problem = None, ""
         try:
-            part = self.load(cut)
+            loaded = self.load(cut)
         except CheckpointError as exc:
             problem = str(exc)
         bad = [p for p in self.group.all_gather_object(problem) if p]
         if bad:
             log.warning("checkpoint %d is not usable (%s); trying an older one", cut, bad[0])
             return None
-        assert part is not None
-        self.state.restore(part)
+        assert loaded is not None
+        self.restore(loaded)
         return cut
 
     def _restore_resharded(self, step: int) -> int | None:
-        """Gather this stage's layers from durable checkpoint ``step`` (another plan of this model); ``None`` if
+        """Gather each stage's layers from durable checkpoint ``step`` (another plan of this model); ``None`` if
         it is of this plan or some part does not verify. Returns the position to continue from."""
         assert self.storage is not None
         topo = self.topo
-        parts: list[dict[str, Any]] = []
+        wanted: list[list[dict[str, Any]]] = [[] for _ in self.parts]
         problem = ""
         record = None
         try:
@@ -472,10 +553,14 @@ class Checkpointer:
                     "use another checkpoint directory"
                 )
             else:
-                mine = set(topo.layers)
-                for index, (layers, _replicas) in enumerate(meta["stages"]):
-                    if mine & set(layers) or (index == 0 and (self.state.extra or self.state.components)):
-                        parts.append(load_part(self.storage, step, part_name(index, 0), record=record))
+                read: dict[int, dict[str, Any]] = {}
+                for k, part in enumerate(self.parts):
+                    mine = set(part.topo.layers)
+                    for index, (layers, _replicas) in enumerate(meta["stages"]):
+                        if mine & set(layers) or (index == 0 and (part.state.extra or part.state.components)):
+                            if index not in read:
+                                read[index] = load_part(self.storage, step, part_name(index, 0), record=record)
+                            wanted[k].append(read[index])
         except CorruptCheckpointError as exc:
             problem = str(exc)
         bad = [p for p in self.group.all_gather_object(problem) if p]
@@ -483,15 +568,18 @@ class Checkpointer:
             log.warning("checkpoint %d is not usable (%s); trying an older one", step, bad[0])
             return None
         assert record is not None
-        start = self.state.reshard(parts, step, updates_per_round=self.mode.update_unit(topo), window=self.window)
-        if topo.rank == 0:
+        starts = {part.state.reshard(wanted[k], step, updates_per_round=self.mode.update_unit(part.topo),
+                                     window=self.window) for k, part in enumerate(self.parts)}
+        start = max(starts)
+        if self.rank == 0:
             if start != step:
                 log.warning("the new plan's replica counts need a start at a multiple of %d: minibatches "
                             "%d..%d are skipped", self.window, step, start - 1)
             old = record.metadata["stages"]
+            workers = self.world_size
             msg = (f"checkpoint {step} was written by a {len(old)}-stage plan on "
-                   f"{record.metadata.get('world_size')} workers; resharded into "
-                   f"{topo.num_stages} stages on {topo.world_size} workers")
+                   f"{record.metadata.get('workers', record.metadata.get('world_size'))} workers; resharded into "
+                   f"{topo.num_stages} stages on {workers} workers")
             log.warning(msg)
             say(f"pipedream-ft: {msg}", sys.stdout)
         return start
@@ -535,7 +623,8 @@ class Checkpointer:
             flags |= CUT | DURABLE
         memory_policy = self.config.memory_policy
         if self.memory is not None and memory_policy is not None \
-                and memory_policy.should_save(cut, now, busy=defer and self.memory.backlog > 0):
+                and memory_policy.should_save(cut, now, busy=defer and any(p.memory is not None and p.memory.backlog
+                                                                           for p in self.parts)):
             flags |= CUT
         if flags:
             self.last_cut = cut
@@ -557,96 +646,117 @@ class Checkpointer:
         """Called on any rank after each action: tell stage 0 (through the store) that SIGTERM arrived."""
         if self.preemption is not None and self.preemption.requested and not self._announced:
             self._announced = True
-            log.warning("rank %d: preemption notice received; asking for an emergency checkpoint", self.topo.rank)
+            log.warning("rank %d: preemption notice received; asking for an emergency checkpoint", self.rank)
             self.coordinator.announce_preemption()
 
     # -- saving ---------------------------------------------------------------------------------------------
 
-    def on_cut(self, cut: int, flags: int) -> None:
-        """This rank's update for minibatch ``cut - 1`` is done: save its part to the tiers the cut is marked
-        for (and stop, for a preemption). A cut this rank already saved before a rollback is not saved again
-        (the redone computation is bitwise the same)."""
-        to_memory = self.memory is not None and cut > self.last_memory
-        to_durable = self.writer is not None and bool(flags & DURABLE) and cut > self.last_saved
+    def on_cut(self, cut: int, flags: int, part: int = 0) -> None:
+        """Stage ``parts[part]``'s update for minibatch ``cut - 1`` is done: save its part to the tiers the cut is
+        marked for. Once every part of the process is saved, the process's bookkeeping follows (and, for a
+        preemption, the stop). A cut this process already saved before a rollback is not saved again (the redone
+        computation is bitwise the same)."""
+        decided = self._saving.get(cut)
+        if decided is None:
+            decided = self._saving[cut] = (self.memory is not None and cut > self.last_memory,
+                                           self.writer is not None and bool(flags & DURABLE) and cut > self.last_saved,
+                                           set())
+        to_memory, to_durable, done = decided
+        if part in done:
+            raise PipelineSetupError(f"cut {cut}: part {self.parts[part].name} saved twice")
+        done.add(part)
         if to_memory or to_durable:
-            if self.before_save is not None:
-                self.before_save(cut)
-            t0 = time.perf_counter()
-            w0 = time.time()
-            part: Any = self.state.capture(cut, frozen=immutable)
-            snapshot_s = 0.0
-            shared = None
-            if to_memory and to_durable:  # one snapshot feeds both tiers
-                assert self.writer is not None
-                s0 = time.perf_counter()
-                part = shared = self.writer.snapshot(part)
-                take_s = time.perf_counter() - s0
-                snapshot_s += take_s
-            try:
-                if to_memory:
-                    assert self.memory is not None
-                    save = self.memory.save(cut, part)
-                    self._memory_saves.append(save)
-                    snapshot_s += save.snapshot_s
-                    self.last_memory = cut
-                if to_durable:
-                    assert self.writer is not None
-                    handle = self.writer.save(cut, part)
-                    snapshot_s += handle.snapshot_s
-                    if shared is not None:  # what the durable save blocked for, as the policy weighs it
-                        handle.snapshot_s += take_s
-                    self.last_saved = cut
-                    self._handles.append(handle)
-                    del self._handles[:-4]
-                    if self.topo.is_first:
-                        self._observe_costs()
-            finally:
-                if shared is not None:
-                    shared.release()
-            self.last_save_s = time.perf_counter() - t0
-            self.hooks.on_checkpoint(cut, w0, time.time(), snapshot_s)
-            log.info("rank %d: checkpoint %d (%s) snapshot in %.3fs", self.topo.rank, cut,
-                     "+".join(t for t, on in (("memory", to_memory), ("durable", to_durable)) if on), snapshot_s)
+            self._save(self.parts[part], cut, to_memory, to_durable)
+        if len(done) < len(self.parts):
+            return
+        del self._saving[cut]
+        if to_memory:
+            self.last_memory = cut
+            self._memory_saves.append((cut, self._cut_memory.pop(cut, [])))
+        if to_durable:
+            self.last_saved = cut
+            if self.parts[0].topo.is_first:
+                self._observe_costs()
         self.last_cut = max(self.last_cut, cut)
         if self.memory is not None:
             self._collect_memory()
         if flags & STOP:
-            self.connection.flush()  # downstream stages still need what was sent before the cut
+            self.flush_sends()  # downstream stages still need what was sent before the cut
             remaining = self.preemption.remaining_s() if self.preemption and self.preemption.requested \
                 else self.config.grace_s
-            for writer in (self.memory, self.writer):
-                if writer is not None:
-                    writer.flush(timeout=max(1.0, remaining - 1.0) if flags & REPLAN == 0
-                                 else self.config.commit_timeout_s)
+            for p in self.parts:
+                for writer in (p.memory, p.writer):
+                    if writer is not None:
+                        writer.flush(timeout=max(1.0, remaining - 1.0) if flags & REPLAN == 0
+                                     else self.config.commit_timeout_s)
             if flags & REPLAN:
                 raise RePlanned(f"re-planning: checkpoint {cut} saved; continuing on the new plan")
             if self.memory_tier is not None and flags & DURABLE and self.writer is not None \
-                    and (self.writer.last_durable or -1) >= cut:  # the durable tier holds the emergency cut
+                    and all((p.writer.last_durable or -1) >= cut for p in self.parts if p.writer is not None):
                 self.memory_tier.leave()  # the last process of the node to stop removes the memory tier
             raise Preempted(f"preempted: checkpoint {cut} saved; stopping (resume redoes no update)")
 
+    def _save(self, part: _Part, cut: int, to_memory: bool, to_durable: bool) -> None:
+        """Capture ``part`` at ``cut`` and hand it to its tiers' writers."""
+        if self.before_save is not None:
+            self.before_save(cut)
+        t0 = time.perf_counter()
+        w0 = time.time()
+        captured: Any = part.state.capture(cut, frozen=immutable)
+        snapshot_s = 0.0
+        shared = None
+        if to_memory and to_durable:  # one snapshot feeds both tiers
+            assert part.writer is not None
+            s0 = time.perf_counter()
+            captured = shared = part.writer.snapshot(captured)
+            take_s = time.perf_counter() - s0
+            snapshot_s += take_s
+        try:
+            if to_memory:
+                assert part.memory is not None
+                save = part.memory.save(cut, captured)
+                self._cut_memory.setdefault(cut, []).append(save)
+                snapshot_s += save.snapshot_s
+            if to_durable:
+                assert part.writer is not None
+                handle = part.writer.save(cut, captured)
+                snapshot_s += handle.snapshot_s
+                if shared is not None:  # what the durable save blocked for, as the policy weighs it
+                    handle.snapshot_s += take_s
+                part.handles.append(handle)
+                del part.handles[:-4]
+        finally:
+            if shared is not None:
+                shared.release()
+        self.last_save_s = time.perf_counter() - t0
+        self.hooks.on_checkpoint(cut, w0, time.time(), snapshot_s)
+        log.info("rank %d: checkpoint %d of %s (%s) snapshot in %.3fs", self.rank, cut, part.name,
+                 "+".join(t for t, on in (("memory", to_memory), ("durable", to_durable)) if on), snapshot_s)
+
     def _collect_memory(self) -> None:
-        """Say which memory-tier cut this rank has stored, and delete the cuts older than the newest one every
-        rank has stored (keeping at least ``memory_keep``): so there is always a cut all ranks can restore."""
+        """Say which memory-tier cut this process has stored (every part of it), and delete the cuts older than
+        the newest one every process has stored (keeping at least ``memory_keep``): so there is always a cut all
+        processes can restore."""
         assert self.memory_tier is not None
-        done = [s for s in self._memory_saves if s.done()]
-        self._memory_saves = [s for s in self._memory_saves if not s.done()]
-        stored = [s.step for s in done if "memory" not in s.errors and "*" not in s.errors]
+        done = [(cut, saves) for cut, saves in self._memory_saves if all(s.done() for s in saves)]
+        self._memory_saves = [(cut, saves) for cut, saves in self._memory_saves if not all(s.done() for s in saves)]
+        stored = [cut for cut, saves in done if all("memory" not in s.errors and "*" not in s.errors for s in saves)]
         if stored and max(stored) > self._memory_published:
             self._memory_published = max(stored)
             self.coordinator.memory_done(self.plan_hash, self._memory_published)
         floor = self.coordinator.memory_floor(self.plan_hash)
         if floor is None:
             return
-        mine = self.memory_tier.steps([self.part])
-        keep = max(self.config.memory_keep, sum(1 for step in mine if step >= floor))
-        if len(mine) > keep:
-            self.memory_tier.keep_last(keep, [self.part])
-            if self.buddy is not None:
-                try:
-                    self.buddy.keep_last(keep, [self.part])
-                except CheckpointError:  # the buddy is gone: its copies went with it
-                    pass
+        for part in self.parts:
+            mine = self.memory_tier.steps([part.name])
+            keep = max(self.config.memory_keep, sum(1 for step in mine if step >= floor))
+            if len(mine) > keep:
+                self.memory_tier.keep_last(keep, [part.name])
+                if self.buddy is not None:
+                    try:
+                        self.buddy.keep_last(keep, [part.name])
+                    except CheckpointError:  # the buddy is gone: its copies went with it
+                        pass
 
     def _observe_costs(self) -> None:
         """Feed the durable policy the measured cost of the newest finished save."""
@@ -659,8 +769,10 @@ class Checkpointer:
 
     def flush_memory(self, timeout: float) -> None:
         """Wait (at most ``timeout``) until the memory tier holds every part saved so far."""
-        if self.memory is not None:
-            self.memory.flush(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        for part in self.parts:
+            if part.memory is not None:
+                part.memory.flush(timeout=max(0.0, deadline - time.monotonic()))
 
     def metrics(self) -> dict[str, Any]:
         """Checkpoint figures for the metrics record: the last finished durable save's snapshot and persist
@@ -693,36 +805,41 @@ class Checkpointer:
         (see :mod:`pipedream_ft.ft.ending`)."""
         ending = Ending(position, failed, lambda proposal: self.coordinator.settle_end(position, proposal))
         timeout = self.config.commit_timeout_s
-        if self.memory is not None:
-            ending.wait(self.memory.flush, timeout)
+        for part in self.parts:
+            if part.memory is not None:
+                ending.wait(part.memory.flush, timeout)
         if self.writer is not None:
             self._finish_durable(position, ending)
         self.coordinator.leave_together(position, ending, timeout + 30)
         if self.writer is not None:
             store = self._finish_store()
-            if store is not None and self.topo.rank != 0:
+            if store is not None and self.rank != 0:
                 verdict = store.get(_KEY_FINISH_VERDICT.format(position=position)).decode()
                 self.unfinished = verdict or None
 
     def _finish_store(self) -> Any:
         epoch = getattr(self.coordinator, "epoch", None)
-        return epoch.store if epoch is not None and self.topo.world_size > 1 else None
+        return epoch.store if epoch is not None and self.world_size > 1 else None
 
-    def _last_error(self) -> str:
-        """Why this rank's part of the last durable cut was not written ("" if it was, or there is none)."""
-        last = [h for h in self._handles if h.step == self.last_saved]
-        if not last or last[-1].error is None:
-            return ""
-        return str(last[-1].error)
+    def _last_error(self, parts: Sequence[_Part] | None = None) -> str:
+        """Why a part of the last durable cut was not written ("" if every one was, or there is none)."""
+        for part in self.parts if parts is None else parts:
+            last = [h for h in part.handles if h.step == self.last_saved]
+            if last and last[-1].error is not None:
+                return str(last[-1].error)
+        return ""
 
     def _finish_durable(self, position: int, ending: Ending) -> None:
         assert self.writer is not None
         writer, timeout = self.writer, self.config.commit_timeout_s
         store = self._finish_store()
-        if self.topo.rank != 0:
+        for part in self.parts[1:]:  # the process's other parts first: the commit waits for them too
+            assert part.writer is not None
+            ending.wait(part.writer.flush, timeout)
+        if self.rank != 0:
             ending.wait(writer.flush, timeout)
             if store is not None:
-                store.set(_KEY_FINISH_PART.format(position=position, rank=self.topo.rank), self._last_error())
+                store.set(_KEY_FINISH_PART.format(position=position, rank=self.rank), self._last_error())
             return
         if not ending.wait(writer.flush, min(2.0, timeout)):  # the usual case: the last commit follows at once
             msg = (f"waiting up to {timeout:.0f}s for checkpoint {self.last_saved} to commit (every rank's part "
@@ -731,14 +848,17 @@ class Checkpointer:
             say(f"pipedream-ft: {msg}", sys.stdout)
         ending.wait(writer.flush_parts, timeout)
         problems = []
+        other = self._last_error(self.parts[1:])
+        if other:
+            problems.append(f"rank 0: {other}")
         if store is not None:
-            ranks = range(1, self.topo.world_size)
+            ranks = range(1, self.world_size)
             keys = [_KEY_FINISH_PART.format(position=position, rank=r) for r in ranks]
             if ending.wait(keys_set(store, keys), timeout + 30):
-                problems = [f"rank {r}: {v}" for r, v in zip(ranks, (store.get(k).decode() for k in keys)) if v]
+                problems += [f"rank {r}: {v}" for r, v in zip(ranks, (store.get(k).decode() for k in keys)) if v]
             else:
                 silent = [r for r, k in zip(ranks, keys) if not store.check([k])]
-                problems = [f"ranks {silent} did not report their parts within {timeout + 30:.0f}s"]
+                problems += [f"ranks {silent} did not report their parts within {timeout + 30:.0f}s"]
         if problems:
             writer.give_up(problems[0])
         ending.wait(writer.flush, timeout)
@@ -773,9 +893,10 @@ class Checkpointer:
         """Stop the writers and the owner's heartbeat (releasing the location); then, if the last durable
         cut could not be committed (see :meth:`finish`), raise :class:`CheckpointError` with its line, on every
         rank, once: the job ends with a non-zero status although its results were saved."""
-        for writer in (self.memory, self.writer):
-            if writer is not None:
-                writer.close(timeout=self.config.commit_timeout_s)
+        for part in self.parts:
+            for writer in (part.memory, part.writer):
+                if writer is not None:
+                    writer.close(timeout=self.config.commit_timeout_s)
         if self.peer_server is not None:
             self.peer_server.close()
         self.stand_down()

@@ -41,7 +41,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -64,7 +64,6 @@ KEY_PREEMPTED = "preempted"
 KEY_JOB_ERROR = "job-error"
 KEY_FINISHED = "finished/{position}"
 KEY_ROUND = "round/{rank}/{owner}"
-KEY_LOGICAL = "logical/{rank}/{owner}"
 KEY_CRASH = "crash/{rank}"
 KEY_STOPPED = "stopped"
 KEY_JOB_ID = "id"
@@ -182,22 +181,20 @@ class Coordinator:
         host, _, port = self.job.get(key).decode().rpartition(":")
         return host, int(port)
 
-    def publish_measurement(self, plan: str, value: str) -> None:
-        """This rank's latest measured costs under plan ``plan`` (see :mod:`pipedream_ft.ft.replan`)."""
-        self.job.set(KEY_MEASURE.format(plan=plan[:16], rank=self.env.rank), value)
+    def publish_measurement(self, plan: str, value: str, slot: int | None = None) -> None:
+        """This rank's latest measured costs under plan ``plan`` (see :mod:`pipedream_ft.ft.replan`); ``slot``:
+        where to file them instead of under the rank (a process of several stages files each under its stage)."""
+        self.job.set(KEY_MEASURE.format(plan=plan[:16], rank=self.env.rank if slot is None else slot), value)
 
-    def measurements(self, plan: str) -> dict[int, str]:
-        """Every rank's latest published measurement under plan ``plan``, by rank (ranks without one left out)."""
+    def measurements(self, plan: str, slots: Iterable[int] | None = None) -> dict[int, str]:
+        """Every rank's (or ``slots``') latest published measurement under plan ``plan``, by rank (ranks without
+        one left out)."""
         out = {}
-        for r in range(self.env.world_size):
+        for r in (range(self.env.world_size) if slots is None else slots):
             key = KEY_MEASURE.format(plan=plan[:16], rank=r)
             if self.job.check([key]):
                 out[r] = self.job.get(key).decode()
         return out
-
-    def publish_logical_ranks(self, ranks: list[int]) -> None:
-        """The ranks this process runs (virtual stages: one logical rank per stage), for its supervisor."""
-        self.job.set(KEY_LOGICAL.format(rank=self.env.rank, owner=round_owner(self.env)), json.dumps(ranks))
 
     def live_group(self, round_id: str) -> LiveGroup:
         """The in-place recovery keys of the group started in ``round_id``; published for this rank's supervisor."""
@@ -335,14 +332,6 @@ class LiveGroup:
         self.key = key
         self.store = dist.PrefixStore(f"pipedream_ft/{run_id}/{round_id}/live/", base)
         self._forgeries: set[bytes] = set()
-
-    @staticmethod
-    def logical_ranks(base: dist.Store, run_id: str, rank: int, owner: str) -> list[int] | None:
-        """The ranks that the processes of ``rank`` started by supervisor ``owner`` run, if they said
-        (:meth:`Coordinator.publish_logical_ranks`: virtual stages); ``None``: just ``rank``."""
-        job = dist.PrefixStore(f"pipedream_ft/{run_id}/job/", base)
-        key = KEY_LOGICAL.format(rank=rank, owner=owner)
-        return [int(r) for r in json.loads(job.get(key))] if job.check([key]) else None
 
     @staticmethod
     def published_round(base: dist.Store, run_id: str, rank: int, owner: str) -> str | None:

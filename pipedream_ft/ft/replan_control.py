@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from partitioner.plan import Plan, PlanError
 from profiler.profile import Profile
@@ -58,7 +58,9 @@ class RePlanControl:
     """Rank 0's decisions: at a possible cut, is a re-plan due (see :meth:`due`)."""
 
     def __init__(self, policy: RePlanPolicy, *, plan: Plan, profile: Profile, key: str, world_size: int,
-                 coordinator: Any, storage: Any) -> None:
+                 coordinator: Any, storage: Any, slots: Iterable[int] | None = None) -> None:
+        """``world_size``: the workers the new plan is for (with several stages per process: the stages);
+        ``slots``: where the stages' measurements are filed (``None``: under each rank)."""
         self.policy = policy
         self.plan = plan
         self.profile = profile
@@ -67,6 +69,7 @@ class RePlanControl:
         self.world_size = world_size
         self.coordinator = coordinator
         self.storage = storage
+        self.slots = list(slots) if slots is not None else None
         self.replans = 0
 
     def due(self, cut: int) -> bool:
@@ -75,7 +78,7 @@ class RePlanControl:
         if cut < policy.after + policy.every or cut % policy.every or self.replans >= policy.max_replans:
             return False
         per_stage: dict[int, list[float]] = {}
-        for text in self.coordinator.measurements(self.key).values():
+        for text in self.coordinator.measurements(self.key, self.slots).values():
             m = Measurement.from_json(text)
             per_stage.setdefault(m.stage, []).append(m.compute_s)
         if len(per_stage) < self.plan.num_stages:

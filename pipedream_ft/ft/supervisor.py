@@ -68,9 +68,6 @@ class Supervisor:
         self.timeout_s = timeout_s
         self.id = uuid.uuid4().hex[:16]
         """This supervisor's id: its processes publish their group's round under it."""
-        self._ranks = [env.rank]
-        """The ranks this rank's training process runs: itself, or its logical ranks (virtual stages: one per
-        stage, which the process publishes; see :mod:`pipedream_ft.virtual`)."""
         self.terminating: int | None = None
         """The signal that asked this rank to stop (SIGTERM from torchrun or the machine), if any."""
         self._child: int | None = None
@@ -104,9 +101,8 @@ class Supervisor:
                         f"{self.max_replacements} replacements are used up")
                     return code if code > 0 else 128 - code
                 try:
-                    live.report_failure(live.epoch_of(self._ranks[0]))
-                    for rank in self._ranks:
-                        live.announce_replacement(rank, incarnation + 1)
+                    live.report_failure(live.epoch_of(self.env.rank))
+                    live.announce_replacement(self.env.rank, incarnation + 1)
                 except Exception as exc:  # the job's store is gone: torchrun's agent is ending the job
                     say(f"pipedream-ft: rank {self.env.rank}: the training process died ({_describe(code)}) and the "
                         f"job's store cannot be reached ({type(exc).__name__}); a full restart is needed")
@@ -178,7 +174,7 @@ class Supervisor:
                 live = self._live_group()
                 if live is not None:
                     try:
-                        evicted = any(live.evicted(rank) == incarnation for rank in self._ranks)
+                        evicted = live.evicted(self.env.rank) == incarnation
                     except Exception:  # the store is gone: torchrun is ending the job
                         evicted = False
                     if evicted:
@@ -192,8 +188,7 @@ class Supervisor:
         if self._live is None:
             try:
                 base = base_store(self.env, self.timeout_s)
-                self._ranks = LiveGroup.logical_ranks(base, self.env.run_id, self.env.rank, self.id) or self._ranks
-                round_id = LiveGroup.published_round(base, self.env.run_id, self._ranks[0], self.id)
+                round_id = LiveGroup.published_round(base, self.env.run_id, self.env.rank, self.id)
                 if round_id is not None:  # the job's secret verifies the group's eviction records
                     key = Coordinator(self.env, self.timeout_s).secret()
             except Exception:  # no store yet or any more
