@@ -12,10 +12,10 @@ backward I ms, the weight path's backward W ms, on ``(8, 64)`` microbatches) run
 (gloo on 127.0.0.1), 2 stages per process, placed as each schedule places them (interleaved 1F1B, interleaved
 zero bubble and looped BFS: stage ``s`` on process ``s % 2``; ZBV and DualPipeV: process ``r`` holds ``r`` and
 ``3 - r``). For each ``F/I/W`` case the same processes train it, schedule after schedule, with pipedream-ft
-(``PipelineConfig(mode="flush", flush_every=8, schedule=NAME)`` on a 4-stage plan: a
-:class:`~pipedream_ft.virtual.VirtualTrainer`, one thread per stage taking turns) and then with the same
-schedule class of ``torch.distributed.pipelining`` (its stages of the process in one
-schedule, 8 microbatches per step, an optimizer step after each).
+(``PipelineConfig(mode="flush", flush_every=8, schedule=NAME)`` on a 4-stage plan: one
+:class:`~pipedream_ft.PipelineTrainer` per process, both of its stages on one rank and one thread) and then with
+the same schedule class of ``torch.distributed.pipelining`` (its stages of the process in one schedule, 8
+microbatches per step, an optimizer step after each).
 
 Per schedule and library: throughput (minibatches per second over whole steps); the bubble ``1 - busy /
 elapsed`` over both processes (busy: the sleeps each process slept, so the runtime's own work counts as idle);

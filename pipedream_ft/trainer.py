@@ -427,6 +427,7 @@ class PipelineTrainer:
                             loss_factor=(lambda: scaler.scale) if scaler is not None else None, stops=cuts.stops,
                             colocated=frozenset(self.stage_indices) - {s} if several else frozenset(),
                             handoff=self.handoff if several else None)
+        executor.rank = env.rank
         executor_box.append(executor)
         record = TrainRecord(lambda: executor.losses)
         state.components["record"] = record  # a restored part brings its call's loss history back

@@ -45,7 +45,10 @@ def test_sleep_predictions_rank_and_their_gap_holds():
     assert predicted[0] == pytest.approx(30e-3 + 6e-4 + 0, rel=1e-9)  # slowest stage: C + O
     cases = [dataclasses.replace(CASES["sleep-2/4"], name="sleep-10/20", minibatches=48),
              dataclasses.replace(CASES["sleep-2/4"], name="sleep-30/60", minibatches=24)]
-    measured = [run_plan(c, p)["steady_s"] for c, p in zip(cases, plans)]
+    # each run twice, alternating, and the faster of each kept: a burst of load from elsewhere on the machine
+    # (another test's processes starting) lands on one run, not on both
+    runs = [[run_plan(c, p)["steady_s"] for c, p in zip(cases, plans)] for _ in range(2)]
+    measured = [min(r[i] for r in runs) for i in range(2)]
     assert measured[1] > measured[0]
     # what the plans predict apart (the stages' compute) is what the runs take apart; a loaded machine stretches
     # the runtime's own cost per minibatch (MACHINE's 0.6 ms, measured idle) by the same in both runs, which a

@@ -150,6 +150,8 @@ class Executor:
         if colocated and handoff is None:
             raise ValueError("stages on this process (colocated) need the handoff between them")
         self.topo = topo
+        self.rank = topo.rank
+        """The rank of the process that runs this stage (for the lines it says; set by a process of several)."""
         self.state = state
         self.mode = mode
         self.connection = connection
@@ -286,7 +288,7 @@ class Executor:
         except Exception as exc:  # any failure here is reported collectively below
             what = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             shapes = ", ".join(str(TensorSpec.of(t)) for t in _tensors(inputs)) if inputs is not None else "?"
-            error = (f"stage {topo.stage} (rank {topo.rank}, layers {_ranges(topo.layers)}) "
+            error = (f"stage {topo.stage} (rank {self.rank}, layers {_ranges(topo.layers)}) "
                      f"cannot run on its input [{shapes}]: {what}")
         finally:
             module.train(was_training)
@@ -306,7 +308,7 @@ class Executor:
         sends and receives that connect it to its neighbours. An action of another stage is refused with
         :class:`PipelineSetupError` naming it."""
         if action.stage != self.topo.stage:
-            raise PipelineSetupError(f"action {action} is for stage {action.stage}, but rank {self.topo.rank} "
+            raise PipelineSetupError(f"action {action} is for stage {action.stage}, but rank {self.rank} "
                                      f"runs stage {self.topo.stage}")
         kind = action.kind
         if kind is Kind.F:
