@@ -283,11 +283,14 @@ class PipelineTrainer:
         self.data_state = first.data_state
         self.record = first.record
         self._meter = first.meter
+        self._every = self.hooks
+        """Every hook of the process, each once: the process's and every stage's own."""
         if single:
-            self.hooks = first.executor.hooks  # one list: the stage's hooks are the process's
+            self.hooks = self._every = first.executor.hooks  # one list: the stage's hooks are the process's
         else:
             for h in (*self._front, *self._back):
                 self.hooks.add(h)
+            self._every = HookList([*self._front, *(h for st in self.stages for h in st.own.hooks), *self._back])
         self.ckpt: Checkpointer | None = None
         if checkpoint is not None:
             self.ckpt = Checkpointer(checkpoint, parts=[(st.topo, st.state) for st in self.stages], mode=self.mode,
@@ -308,7 +311,7 @@ class PipelineTrainer:
         """This process's part in in-place recovery (see :mod:`pipedream_ft.ft.inplace`); ``None`` without it."""
         if self.in_place:
             self.inplace = InPlace(env, coordinator=self.coordinator, checkpointer=self.ckpt, faults=self.faults,
-                                   hooks=self.hooks, fingerprint=self.fingerprint, timeout_s=config.timeout_s,
+                                   hooks=self._every, fingerprint=self.fingerprint, timeout_s=config.timeout_s,
                                    recovery_timeout_s=config.recovery_timeout_s, hang_s=config.hang_s)
         self._side = _PipelineSide(self)
         self.redone = 0
@@ -564,10 +567,7 @@ class PipelineTrainer:
 
     def _each_hooks(self, call: Callable[[Hooks], None]) -> None:
         """Call every hook of the process once: its own, and each stage's (several stages)."""
-        call(self.hooks)
-        if self.layout is not None:
-            for st in self.stages:
-                call(st.own)
+        call(self._every)
 
     # -- views ----------------------------------------------------------------------------------------------
 
