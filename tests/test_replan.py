@@ -73,29 +73,35 @@ def test_a_replan_that_does_not_fit_memory_keeps_the_plan():
 
 
 @pytest.mark.slow
-def test_the_running_job_moves_to_the_better_plan_and_gets_faster(tmp_path):
+def _replanning_run(tmp_path: Path, *options: str) -> list[dict]:
+    """``replan_worker.py`` under torchrun on 2 processes; returns each run's record (plan, start, loss times) in
+    the order they started, after checking that the job re-planned."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts=0",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--monitor-interval", "0.2",
            str(Path(__file__).with_name("replan_worker.py")), "--ckpt", str(tmp_path / "ckpt"), "--out", str(out),
-           "--total", "80"]
+           "--total", "80", *options]
     env = dict(os.environ, OMP_NUM_THREADS="1", PIPEDREAM_FT_RECOVERY="in-place")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
     assert "re-planning at minibatch" in log and "predicted" in log, log[-3000:]
-    runs = sorted((json.loads(p.read_text()) for p in tmp_path.glob("run-*.json")), key=lambda r: r["start"])
+    return sorted((json.loads(p.read_text()) for p in tmp_path.glob("run-*.json")), key=lambda r: r["start"])
+
+
+def _per_minibatch(stamps: list[float]) -> float:
+    tail = stamps[len(stamps) // 3:]
+    return (tail[-1] - tail[0]) / (len(tail) - 1)
+
+
+def test_the_running_job_moves_to_the_better_plan_and_gets_faster(tmp_path):
+    runs = _replanning_run(tmp_path)
     assert len(runs) >= 2 and runs[0]["stages"] != runs[1]["stages"], runs
     assert runs[1]["start"] <= 40  # re-planned within a bounded number of minibatches
-
-    def per_minibatch(stamps: list[float]) -> float:
-        tail = stamps[len(stamps) // 3:]
-        return (tail[-1] - tail[0]) / (len(tail) - 1)
-
     # The profile makes every layer 12 ms, so the first plan is [0-3], [4-7]: 48 and 144 ms per minibatch. Stage 1's
     # layers are alike, so scaling them by its measured time gets them right, and the new plan ([0-4], [5-7]) takes
     # 108 ms (0.75x). Timing noise on a loaded machine is a few per cent: require a clear gain.
-    first, last = per_minibatch(runs[0]["stamps"]), per_minibatch(runs[-1]["stamps"])
+    first, last = _per_minibatch(runs[0]["stamps"]), _per_minibatch(runs[-1]["stamps"])
     assert last < 0.85 * first, ([r["stages"] for r in runs], first, last)
 
 
@@ -104,24 +110,9 @@ def test_a_job_of_several_stages_per_process_re_plans_under_interleaved_1f1b(tmp
     cheap: stage 3 measures 96 ms per minibatch where the plan expected 24, so process 1 (stages 1 and 3) takes 120
     ms to process 0's 48. The measured costs re-plan 4 stages ([0-2], [3-5], [6], [7]: 84 ms per process), the job
     stops at a checkpoint and goes on resharded into them, faster."""
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts=0",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--monitor-interval", "0.2",
-           str(Path(__file__).with_name("replan_worker.py")), "--ckpt", str(tmp_path / "ckpt"), "--out", str(out),
-           "--total", "80", "--interleaved"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PIPEDREAM_FT_RECOVERY="in-place")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-5000:]
-    assert "re-planning at minibatch" in log and "predicted" in log, log[-3000:]
-    runs = sorted((json.loads(p.read_text()) for p in tmp_path.glob("run-*.json")), key=lambda r: r["start"])
+    runs = _replanning_run(tmp_path, "--interleaved")
     assert len(runs) >= 2 and runs[0]["stages"] == [[0, 1], [2, 3], [4, 5], [6, 7]], runs
     assert len(runs[1]["stages"]) == 4 and runs[1]["stages"] != runs[0]["stages"], runs
     assert runs[1]["start"] <= 40
-
-    def per_minibatch(stamps: list[float]) -> float:
-        tail = stamps[len(stamps) // 3:]
-        return (tail[-1] - tail[0]) / (len(tail) - 1)
-
-    first, last = per_minibatch(runs[0]["stamps"]), per_minibatch(runs[-1]["stamps"])
+    first, last = _per_minibatch(runs[0]["stamps"]), _per_minibatch(runs[-1]["stamps"])
     assert last < 0.85 * first, ([r["stages"] for r in runs], first, last)
