@@ -168,7 +168,9 @@ def stages_feature_case(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         losses = trainer.train(source, spec["total"]).losses
         return {"losses": losses, "state": trainer.full_state_dict(),
-                "lr": {st.index: st.state.optimizer.param_groups[0]["lr"] for st in trainer.stages}}
+                "lr": {st.index: st.state.optimizer.param_groups[0]["lr"] for st in trainer.stages},
+                "skipped": [st.scaler.skipped for st in trainer.stages if st.scaler is not None],
+                "scale": [st.scaler.scale for st in trainer.stages if st.scaler is not None]}
     finally:
         trainer.close()
 

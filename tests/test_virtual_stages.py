@@ -327,3 +327,20 @@ def test_global_clipping_and_a_scheduler_over_several_stages_per_process_are_min
         assert len(set(out[rank][1]["lr"].values())) == 1 and len(out[rank][1]["lr"]) == 2
     assert out[0][1]["losses"] == pytest.approx(want["losses"], abs=1e-6)
     assert sum(n > 0.25 for n in want["norms"]) >= 2  # clipping was active
+
+
+@pytest.mark.slow
+def test_float16_loss_scaling_over_several_stages_per_process_is_grad_scaler():
+    """Under ZBV the overflow flags of a process's two stages and the other process's go into one all-reduce per
+    window: every stage skips the same updates and keeps the same scale as ``torch.amp.GradScaler``."""
+    scale = {"init_scale": 2.0**24, "growth_interval": 2}
+    spec = {"stages": P4, "mode": "flush", "schedule": "zbv", "flush_every": 4, "total": 48, "autocast": "fp16",
+            "loss_scale": scale, "sched": "step", "clip": 0.3}
+    out = run_world(stages_feature_case, 2, spec)
+    want = minibatch_reference(mlp(), sequential_data(ToyData(600)), 48, 4, "sgd", autocast="fp16",
+                               loss_scale=scale, sched="step", clip=0.3)
+    assert want["skipped"] >= 2
+    for rank in range(2):
+        got = out[rank][1]
+        assert got["skipped"] == [want["skipped"]] * 2 and got["scale"] == [want["scale"]] * 2, (got, want)
+        _close(got["state"], want["state"], 1e-6)
