@@ -297,7 +297,8 @@ class PipelineTrainer:
                                      coordinator=self.coordinator, hooks=self.hooks, connection=self.connection,
                                      profile=profile, job=self.coordinator.job_id(),
                                      faults=self.faults if self.faults.checkpoint_faults else None,
-                                     flush=self._flush_sends)
+                                     flush=self._flush_sends,
+                                     part_hooks=None if single else [st.own for st in self.stages])
             for k, st in enumerate(self.stages):
                 ex = st.executor
                 ex.on_cut = (lambda cut, flags, k=k: self._on_cut(cut, flags, k))

@@ -246,7 +246,8 @@ def test_a_resize_to_a_process_count_the_plan_does_not_fit_replans_and_stays_min
 @pytest.mark.parametrize("schedule", ["interleaved_zero_bubble", "dualpipev"])
 def test_each_process_runs_its_stages_actions_in_the_schedules_order_and_the_timeline_draws_it(schedule, tmp_path):
     """The traced run: each process's compute actions, both stages together, come in the order the schedule gives
-    the process, and ``pipedream-timeline`` draws them, one row per process."""
+    the process, each stage's checkpoint parts are on its track, and ``pipedream-timeline`` draws them, one row per
+    process."""
     from pipedream_ft.observe.timeline import merge_traces, trace_files
     from pipedream_ft.observe.timeline_cli import main as timeline_main
 
@@ -264,6 +265,10 @@ def test_each_process_runs_its_stages_actions_in_the_schedules_order_and_the_tim
         want = [(a.stage, f"{kind[a.kind.value]}{a.index}") for a in layout.rank_actions(pid, 0, 16)
                 if a.kind.value != "U"]
         assert ran == want, pid
+    # each stage's part of each checkpoint (every 8 minibatches) on its own stage's track
+    saved = sorted((e["args"]["stage"], e["args"]["cut"]) for e in merge_traces(trace_files(traces))["traceEvents"]
+                   if e.get("ph") == "X" and e["cat"] == "checkpoint")
+    assert saved == [(s, cut) for s in range(4) for cut in (8, 16)], saved
     png = tmp_path / "virtual.png"
     assert timeline_main([str(traces), "-o", str(png)]) == 0 and png.stat().st_size > 0
 

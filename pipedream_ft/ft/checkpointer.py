@@ -216,6 +216,8 @@ class _Part:
     memory: TierWriter | None = None
     handles: list[Any] = field(default_factory=list)
     """The newest durable saves' handles."""
+    hooks: Hooks | None = None
+    """Told of this part's saves (its stage's trace and metrics); ``None``: the checkpointer's hooks."""
 
 
 class Checkpointer:
@@ -230,17 +232,22 @@ class Checkpointer:
     def __init__(self, config: CheckpointConfig, *, mode: Mode, coordinator: Coordinator, hooks: Hooks,
                  connection: Connection, topo: Topology | None = None, state: StageState | None = None,
                  parts: Sequence[tuple[Topology, StageState]] = (), profile: Profile | None = None,
-                 job: str | None = None, faults: Any = None, flush: Callable[[], None] | None = None) -> None:
+                 job: str | None = None, faults: Any = None, flush: Callable[[], None] | None = None,
+                 part_hooks: Sequence[Hooks] | None = None) -> None:
         """``job``: identifies the job across its processes (torchrun's run id); ``None``: no memory tier (it
         needs a job-scoped name that a restarted process finds again). ``faults``: injected failures acting
         through the declared seams (a :class:`~pipedream_ft.ft.faults.FaultInjector`: ``before_part_write`` on
         the storage, ``before_save`` here), or ``None``. ``flush``: waits for every send of the process
-        (default: ``connection.flush``)."""
+        (default: ``connection.flush``). ``part_hooks``: one per part, told of that part's saves (default: every
+        save goes to ``hooks``)."""
         if topo is not None and state is not None:
             parts = [(topo, state), *parts]
         if not parts:
             raise ValueError("a checkpointer needs the process's stages: topo and state, or parts")
         self.parts = [_Part(t, st, part_name(t.stage, t.replica)) for t, st in parts]
+        if part_hooks is not None:
+            for part, h in zip(self.parts, part_hooks, strict=True):
+                part.hooks = h
         """This process's parts, in stage order."""
         topo, state = parts[0]
         self.config = config
@@ -729,7 +736,7 @@ class Checkpointer:
             if shared is not None:
                 shared.release()
         self.last_save_s = time.perf_counter() - t0
-        self.hooks.on_checkpoint(cut, w0, time.time(), snapshot_s)
+        (part.hooks if part.hooks is not None else self.hooks).on_checkpoint(cut, w0, time.time(), snapshot_s)
         log.info("rank %d: checkpoint %d of %s (%s) snapshot in %.3fs", self.rank, cut, part.name,
                  "+".join(t for t, on in (("memory", to_memory), ("durable", to_durable)) if on), snapshot_s)
 
