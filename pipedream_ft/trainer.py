@@ -680,6 +680,8 @@ class PipelineTrainer:
                 start = first
         if steps:
             self._keep_start_cut()
+        if self.ckpt is not None:
+            self.ckpt.ending_at(stop if finish else None)
         self._each_hooks(lambda h: h.on_train_start(start, stop))
         mark_training()  # an error from now on is a crash, not a set-up error (see pipedream_ft.crashlog)
         try:

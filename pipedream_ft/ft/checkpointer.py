@@ -112,7 +112,8 @@ class CheckpointConfig:
     defer_when_behind: bool = True
     """Defer a due checkpoint while the previous one of its tier is still being written (storage slower than the
     interval: the policy stretches the interval and logs it). ``False``: take every checkpoint the policy asks
-    for, waiting for storage if it must (saves are never dropped either way)."""
+    for, waiting for storage if it must (saves are never dropped either way). The last cut of a ``fit`` is never
+    deferred."""
 
     job_id: str | None = None
     """This job's identity as the owner of ``url``. ``None``: torchrun's run id (``--rdzv-id``; stable across
@@ -349,6 +350,8 @@ class Checkpointer:
             except ValueError:  # not the main thread (a virtual stage's): the handler its process installed, if any
                 self.preemption, self._own_preemption = PreemptionHandler.of_process(), False
         self._announced = False
+        self._final_cut: int | None = None
+        """The position a ``fit`` ends at (see :meth:`ending_at`)."""
         self._last_store_check = 0.0
         self._last_forward = time.monotonic()
         self.last_save_s = 0.0
@@ -623,7 +626,9 @@ class Checkpointer:
         flags = 0
         # busy: this rank's previous save is not durable yet (storage is not keeping up); a pending commit, which
         # waits for the other ranks' parts, does not count
-        defer = self.config.defer_when_behind
+        # the last cut of a fit is never deferred: the fit waits for its commit anyway, and deferring it would leave
+        # the end of training out of the durable tier
+        defer = self.config.defer_when_behind and cut != self._final_cut
         busy = defer and self.last_saved >= 0 and self.writer is not None \
             and (self.writer.last_durable or -1) < self.last_saved
         if self.writer is not None and self.config.policy.should_save(cut, now, busy=busy):
@@ -636,6 +641,11 @@ class Checkpointer:
         if flags:
             self.last_cut = cut
         return flags
+
+    def ending_at(self, position: int | None) -> None:
+        """The training under way ends at ``position`` and then waits for its checkpoints (a ``fit``): the cut
+        there is taken even when storage is behind. ``None``: no such end is known."""
+        self._final_cut = position
 
     def preemption_requested(self, now: float | None = None) -> bool:
         """A preemption notice here, or announced by another rank through the store (checked every 50 ms)."""
