@@ -378,21 +378,19 @@ class Executor:
                 self._cut(b, flags)
             tag = self.mode.version_for(topo, state.versions, b, 0).updates
             header = Header(b, tag, flags)
-        elif self._local_prev:
-            assert self.handoff is not None
-            header, sent = self.handoff.take(("act", topo.stage, b), f"stage {topo.stage}: the forward of minibatch {b}")
-            assert self._in_structure is not None
-            leaves = [t.detach().requires_grad_() if t.is_floating_point() else t.detach() for t in sent]
-            inputs = self._in_structure.join(leaves)
-            if header.flags:
-                self._cut(b, header.flags)
         else:
-            handle = self._act_recv.pop(b, None)
-            if handle is None:
-                raise PipelineSetupError(f"stage {topo.stage}: the forward of minibatch {b} runs before its RECV_F: "
-                                         "the lowered schedule is out of order")
-            header, leaves = handle.wait()
-            self._waited(handle, "activation")
+            if self._local_prev:  # handed over by the previous stage on this process: its own tensors, detached
+                assert self.handoff is not None
+                header, sent = self.handoff.take(("act", topo.stage, b),
+                                                 f"stage {topo.stage}: the forward of minibatch {b}")
+                leaves = [t.detach() for t in sent]
+            else:
+                handle = self._act_recv.pop(b, None)
+                if handle is None:
+                    raise PipelineSetupError(f"stage {topo.stage}: the forward of minibatch {b} runs before its "
+                                             "RECV_F: the lowered schedule is out of order")
+                header, leaves = handle.wait()
+                self._waited(handle, "activation")
             assert header is not None and self._in_structure is not None
             leaves = [t.requires_grad_() if t.is_floating_point() else t for t in leaves]
             inputs = self._in_structure.join(leaves)
@@ -506,14 +504,21 @@ class Executor:
         if self.topo.is_last:
             assert rec.loss is not None
             return [rec.loss], [None]
-        if self._local_next:
+        if self._local_next:  # handed back by the next stage on this process
             assert self.handoff is not None
             b = rec.header.minibatch
             received = self.handoff.take(("grad", self.topo.stage, b), f"stage {self.topo.stage}: the backward of "
                                          f"minibatch {b}")
-            floats = [t for t in rec.outputs if t.is_floating_point()]
-            pairs = [(o, g) for o, g in zip(floats, received) if o.requires_grad]
-            return [p[0] for p in pairs], [p[1] for p in pairs]
+        else:
+            if rec.grad_recv is None:
+                raise PipelineSetupError(f"stage {self.topo.stage}: the backward of minibatch "
+                                         f"{rec.header.minibatch} runs before its RECV_B: the lowered schedule is out "
+                                         "of order")
+            _, received = rec.grad_recv.wait()
+            self._waited(rec.grad_recv, "gradient")
+        floats = [t for t in rec.outputs if t.is_floating_point()]
+        pairs = [(o, g) for o, g in zip(floats, received) if o.requires_grad]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
         if rec.grad_recv is None:
             raise PipelineSetupError(f"stage {self.topo.stage}: the backward of minibatch {rec.header.minibatch} "
                                      "runs before its RECV_B: the lowered schedule is out of order")
