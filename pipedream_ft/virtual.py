@@ -29,7 +29,7 @@ from partitioner.plan import Plan, PlanError
 
 from .pipeline.executor import RankStats
 from .schedules.actions import Action
-from .schedules.comms import add_communication, post_receives_early
+from .schedules.comms import add_communication, lower_rank, post_receives_early
 from .schedules.window import VIRTUAL, WindowSchedule, virtual_schedule
 
 __all__ = ["merged_stats", "process_actions", "runs_virtual", "stage_links", "stage_plan",
@@ -100,8 +100,12 @@ def stage_plan(plan: Plan) -> Plan:
 def process_actions(layout: WindowSchedule, rank: int, start: int, stop: int) -> list[Action]:
     """What process ``rank`` runs for minibatches ``[start, stop)``: its stages' actions in the schedule's order,
     with the sends and receives between processes (none between its own stages), receives posted early."""
+    placement = dict(enumerate(layout.placement))
+    mine = lower_rank(rank, layout.rank_actions(rank, start, stop), placement)  # from this process's list alone
+    if mine is not None:
+        return mine
     every = {r: layout.rank_actions(r, start, stop) for r in range(layout.num_ranks)}
-    lowered = add_communication(every, dict(enumerate(layout.placement)))
+    lowered = add_communication(every, placement)
     return post_receives_early({rank: lowered[rank]})[rank]
 
 

@@ -8,6 +8,7 @@ process running exactly its lowered list, sends and receives included, in order.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dist_helpers import run_world
 from ft_cases import checkpointed_case
@@ -101,3 +102,43 @@ def test_each_process_runs_its_lowered_list_sends_and_receives_included(tmp_path
                 else f"{a.stage}{'B' if a.kind == Kind.I else 'W'}{a.index}"  # the trace names I's event B
                 for a in m.lowered(Topology.of(plan, rank), 0, 8)]
         assert _ran(traces, rank) == want, rank
+
+
+REPLICAS = [[1, 1, 1], [2, 1, 1], [1, 2, 1], [1, 1, 2], [2, 2, 1], [3, 1, 2]]
+
+
+@pytest.mark.parametrize("mode,replicas", [(m, r) for m in ("stash", "flush", "2bw") for r in REPLICAS]
+                         + [("vertical", [1, 1, 1]), ("vertical", [2, 2, 2])])  # vertical: one replica count
+def test_each_rank_lowers_alone_what_the_pass_over_every_rank_gives(mode, replicas):
+    """Mode.lowered makes a rank's list from its own actions (schedules.comms.lower_rank): the same list as
+    add_communication over every rank's schedule, receives moved early."""
+    from pipedream_ft.schedules.comms import lower_rank, post_receives_early
+
+    plan = plan_for(mlp(), P3, replicas)
+    m = make_mode(mode, 6, update_every=6 if mode == "2bw" else None)  # a multiple of every replica count here
+    window = m.window(Topology.of(plan, 0)) if mode != "flush" else 6
+    topos = [Topology.of(plan, r) for r in range(plan.world_size)]
+    for t in topos:
+        m.check(t)
+    for start, stop in ((0, 2 * window), (window, 4 * window)):
+        every = {t.rank: m.schedule(t, start, stop) for t in topos}
+        full = add_communication(every, Replicated.of([s.ranks for s in plan.stages]))
+        for t in topos:
+            assert lower_rank(t.rank, every[t.rank], Replicated.of([s.ranks for s in plan.stages])) is not None
+            assert m.lowered(t, start, stop) == post_receives_early({t.rank: full[t.rank]})[t.rank], (t.rank, start)
+
+
+@pytest.mark.parametrize("schedule, stages", [("interleaved_1f1b", 4), ("zbv", 4), ("dualpipev", 4),
+                                              ("interleaved_zero_bubble", 6), ("looped_bfs", 6)])
+def test_a_process_of_several_stages_lowers_alone_what_the_pass_over_every_process_gives(schedule, stages):
+    from pipedream_ft.schedules.comms import post_receives_early
+    from pipedream_ft.virtual import process_actions, virtual_layout
+
+    layers = [[2 * s, 2 * s + 1] for s in range(stages)]
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(2 * stages)])
+    layout = virtual_layout(schedule, plan_for(model, layers), 2, 4)
+    for start, stop in ((0, 8), (4, 16)):
+        every = {r: layout.rank_actions(r, start, stop) for r in range(2)}
+        full = add_communication(every, dict(enumerate(layout.placement)))
+        for r in range(2):
+            assert process_actions(layout, r, start, stop) == post_receives_early({r: full[r]})[r], (r, start)

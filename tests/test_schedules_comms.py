@@ -92,3 +92,37 @@ def test_receives_move_as_early_as_they_are_useful_and_the_list_still_runs():
     moved = post_receives_early(add_communication(sched))
     assert [str(a) for a in moved[0] if a.kind == Kind.RECV_B] == ["0RECV_B1", "0RECV_B0"]
     simulate(moved)
+
+
+def _full(schedule, placement, rank):
+    from pipedream_ft.schedules.comms import post_receives_early
+
+    return post_receives_early({rank: add_communication(schedule, placement)[rank]})[rank]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "interleaved_zero_bubble",
+                                  "looped_bfs", "zbv", "dualpipev"])
+@pytest.mark.parametrize("ranks,microbatches", [(2, 4), (3, 6), (4, 8), (4, 12)])
+def test_a_rank_lowers_its_own_list_as_the_whole_pass_does(name, ranks, microbatches):
+    from pipedream_ft.schedules.comms import lower_rank
+
+    sched, placement = build(name, ranks, microbatches)
+    sched = add_updates(sched)
+    for rank in sched:
+        mine = lower_rank(rank, sched[rank], placement)
+        # None: a stage of the rank runs its backwards out of its forwards' order (looped BFS runs them reversed)
+        assert (mine is None) == (name == "looped_bfs"), (name, rank)
+        if mine is not None:
+            assert mine == _full(sched, placement, rank), (name, rank)
+
+
+def test_a_rank_whose_backwards_leave_the_forwards_order_needs_every_rank():
+    from pipedream_ft.schedules.comms import lower_rank
+
+    sched = parse(["0F0 0F1 0B1 0B0", "1F0 1F1 1B1 1B0"])
+    assert lower_rank(0, sched[0], {0: 0, 1: 1}) is None
+    assert lower_rank(1, sched[1], {0: 0, 1: 1}) == _full(sched, {0: 0, 1: 1}, 1)
+    with pytest.raises(ScheduleError, match="1F0 is on rank 0 but stage 1 is placed on rank 1"):
+        lower_rank(0, parse(["0F0 1F0 1B0 0B0"])[0], {0: 0, 1: 1})
+    with pytest.raises(ScheduleError, match="already has communication"):
+        lower_rank(0, add_communication(one_f_one_b(2, 1))[0], {0: 0, 1: 1})

@@ -25,7 +25,7 @@ from typing import ClassVar
 
 from partitioner.plan import PlanError
 
-from ..schedules.comms import add_communication, post_receives_early
+from ..schedules.comms import add_communication, lower_rank, post_receives_early
 from ..schedules.placement import Replicated
 from ..schedules.window import ScheduleSpec, WindowSchedule, resolve_schedule
 from ..schedules.actions import Action
@@ -65,9 +65,13 @@ class Mode(ABC):
         the list the executor runs, in order, its receives moved as early as they are useful
         (:func:`~pipedream_ft.schedules.comms.post_receives_early`): a message never waits for its receive."""
         plan = topo.plan
+        placement = Replicated.of([s.ranks for s in plan.stages])
+        mine = lower_rank(topo.rank, self.schedule(topo, start, stop), placement)  # from this rank's list alone
+        if mine is not None:
+            return mine
         every = {r: self.schedule(topo if r == topo.rank else Topology.of(plan, r), start, stop)
                  for r in range(plan.world_size)}
-        lowered = add_communication(every, Replicated.of([s.ranks for s in plan.stages]))
+        lowered = add_communication(every, placement)
         return post_receives_early({topo.rank: lowered[topo.rank]})[topo.rank]
 
     def window(self, topo: Topology) -> int:

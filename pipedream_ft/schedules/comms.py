@@ -15,11 +15,13 @@ ranks, and a message goes to the replica of the neighbouring stage that runs ``m
 from __future__ import annotations
 
 from collections import deque
+from typing import Sequence
+
 from .actions import BACKWARD, COMMUNICATION, Action, Kind, Schedule
 from .errors import ScheduleError
 from .placement import PlacementLike, Replicated, as_replicated, stage_to_rank
 
-__all__ = ["add_communication", "messages_of", "post_receives_early"]
+__all__ = ["add_communication", "lower_rank", "messages_of", "post_receives_early"]
 
 
 def messages_of(action: Action, placement: PlacementLike) -> tuple[Action, Action] | None:
@@ -112,38 +114,89 @@ def post_receives_early(schedule: Schedule) -> dict[int, list[Action]]:
     out: dict[int, list[Action]] = {}
     for rank, acts in sorted(schedule.items()):
         lst = [a for a in acts if a is not None]
-        present = set(lst)
+        # what the list holds, as (stage, index) per kind: plain tuples hash far faster than actions
+        recv_f: set[tuple[int, int]] = set()
+        recv_b: set[tuple[int, int]] = set()
+        send_f: set[tuple[int, int]] = set()
         forwards: dict[int, list[int]] = {}
         backwards: dict[int, list[int]] = {}
         for a in lst:
-            if a.kind is Kind.F:
+            kind = a.kind
+            if kind is Kind.F:
                 forwards.setdefault(a.stage, []).append(a.index)
-            elif a.kind in BACKWARD:
+            elif kind in BACKWARD:
                 backwards.setdefault(a.stage, []).append(a.index)
+            elif kind is Kind.RECV_F:
+                recv_f.add((a.stage, a.index))
+            elif kind is Kind.RECV_B:
+                recv_b.add((a.stage, a.index))
+            elif kind is Kind.SEND_F:
+                send_f.add((a.stage, a.index))
         in_order = {s for s, f in forwards.items() if backwards.get(s, f) == f}
         following = {(s, f[k]): f[k + 1] for s, f in forwards.items() for k in range(len(f) - 1)}
         first = {(s, f[0]) for s, f in forwards.items() if f}
         lowered: list[Action] = []
         for a in lst:
-            if a.kind is Kind.RECV_F:
+            kind = a.kind
+            if kind is Kind.RECV_F:
                 continue  # placed with the forwards below
-            if a.kind is Kind.RECV_B and a.stage in in_order and \
-                    Action.trusted(a.stage, Kind.SEND_F, a.index) in present:
+            if kind is Kind.RECV_B and a.stage in in_order and (a.stage, a.index) in send_f:
                 continue  # placed after its activation's send below
-            if a.kind is Kind.F:
-                wanted = [a.index] if (a.stage, a.index) in first else []
-                if (a.stage, a.index) in following:
-                    wanted.append(following[(a.stage, a.index)])
-                for m in wanted:
-                    recv = Action.trusted(a.stage, Kind.RECV_F, m)
-                    if recv in present:
-                        lowered.append(recv)
+            if kind is Kind.F:
+                key = (a.stage, a.index)
+                if key in first and key in recv_f:
+                    lowered.append(Action.trusted(a.stage, Kind.RECV_F, a.index))
+                after = following.get(key)
+                if after is not None and (a.stage, after) in recv_f:
+                    lowered.append(Action.trusted(a.stage, Kind.RECV_F, after))
             lowered.append(a)
-            if a.kind is Kind.SEND_F and a.stage in in_order:
-                recv = Action.trusted(a.stage, Kind.RECV_B, a.index)
-                if recv in present:
-                    lowered.append(recv)
+            if kind is Kind.SEND_F and a.stage in in_order and (a.stage, a.index) in recv_b:
+                lowered.append(Action.trusted(a.stage, Kind.RECV_B, a.index))
         if len(lowered) != len(lst):
             raise ScheduleError(f"rank {rank}: moving the receives early lost actions ({len(lst)} -> {len(lowered)})")
         out[rank] = lowered
     return out
+
+
+def lower_rank(rank: int, actions: Sequence[Action | None], placement: PlacementLike) -> list[Action] | None:
+    """``rank``'s list of :func:`add_communication` then :func:`post_receives_early`, made from ``rank``'s own
+    ``actions`` alone — or ``None`` where that list depends on the other ranks' order.
+
+    Every send follows the action that produces it, and :func:`post_receives_early` moves every ``RECV_F`` to a
+    place that ``rank``'s own forwards decide, and every ``RECV_B`` too when each stage of ``rank`` that receives
+    gradients runs its backwards in the order of its forwards: then nothing of the other ranks' lists is needed, and lowering a
+    run costs each process its own actions instead of every rank's (the pure tests check that the lists are the
+    same). Otherwise (a stage's ``RECV_B`` stays where its send placed it) this returns ``None``. The schedule's
+    deadlock check is not repeated here: the modes' generators and every table (at load) are checked whole."""
+    where = as_replicated(placement)
+    last = where.num_stages - 1
+    lowered: list[Action] = []
+    forwards: dict[int, list[int]] = {}
+    backwards: dict[int, list[int]] = {}
+    receiving: set[int] = set()
+    """Stages of ``rank`` that receive a gradient."""
+    for a in actions:
+        if a is None:
+            continue
+        kind, s, m = a.kind, a.stage, a.index
+        if kind in COMMUNICATION:
+            raise ScheduleError(f"rank {rank}'s schedule already has communication ({a})")
+        if kind is Kind.U or s > last or where.rank(s, m) != rank:
+            where.check(a, rank)  # raises unless an update of a stage the rank holds
+        if kind is Kind.F:
+            forwards.setdefault(s, []).append(m)
+            if s > 0 and where.rank(s - 1, m) != rank:
+                lowered.append(Action.trusted(s, Kind.RECV_F, m))
+        elif kind in BACKWARD:
+            backwards.setdefault(s, []).append(m)
+            if s < last and where.rank(s + 1, m) != rank:
+                lowered.append(Action.trusted(s, Kind.RECV_B, m))
+                receiving.add(s)
+        lowered.append(a)
+        if kind is not Kind.U:
+            message = _messages(a, where)
+            if message is not None:
+                lowered.append(message[0])
+    if any(backwards.get(s, f) != f for s, f in forwards.items() if s in receiving):
+        return None
+    return post_receives_early({rank: lowered})[rank]
