@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import EXIT_SETUP
@@ -82,11 +83,13 @@ class Header:
     flags: int = 0
 
 
-def _encode(header: Header, specs: Sequence[TensorSpec], device: torch.device) -> torch.Tensor:
+def _template(specs: Sequence[TensorSpec]) -> np.ndarray:
+    """The header of a message of tensors ``specs``, its minibatch, tag and flags left 0 (see :func:`_encode`)."""
     if len(specs) > MAX_TENSORS:
         raise ShapeMismatchError(f"at most {MAX_TENSORS} tensors may cross a stage boundary, got {len(specs)}")
     buf = [0] * HEADER_LEN
-    buf[0:5] = [_MAGIC, header.minibatch, header.tag, header.flags, len(specs)]
+    buf[0] = _MAGIC
+    buf[4] = len(specs)
     for i, spec in enumerate(specs):
         if spec.dtype not in _CODE:
             raise ShapeMismatchError(f"dtype {spec.dtype} cannot cross a stage boundary")
@@ -96,7 +99,17 @@ def _encode(header: Header, specs: Sequence[TensorSpec], device: torch.device) -
         buf[off] = _CODE[spec.dtype]
         buf[off + 1] = len(spec.shape)
         buf[off + 2: off + 2 + len(spec.shape)] = list(spec.shape)
-    return torch.tensor(buf, dtype=torch.int64, device=device)
+    return np.array(buf, dtype=np.int64)
+
+
+def _encode(header: Header, specs: Sequence[TensorSpec], device: torch.device,
+            template: np.ndarray | None = None) -> torch.Tensor:
+    """The header message: ``template`` (:func:`_template` of ``specs``, made here if not given) with the header's
+    minibatch, tag and flags."""
+    arr = (template if template is not None else _template(specs)).copy()
+    arr[1], arr[2], arr[3] = header.minibatch, header.tag, header.flags
+    buf = torch.from_numpy(arr)
+    return buf if device.type == "cpu" else buf.to(device)
 
 
 def _decode(buf: torch.Tensor) -> tuple[Header, list[TensorSpec]]:
@@ -200,6 +213,8 @@ class Messenger:
         self.timeout = timedelta(seconds=timeout_s)
         self._learned: dict[int, list[TensorSpec]] = {}
         self._sent_specs: dict[int, list[TensorSpec]] = {}
+        self._templates: dict[int, np.ndarray] = {}
+        """peer -> the activation header's template (its shapes are fixed: see :meth:`send_activations`)."""
         self._pending: list[tuple[Any, Any, str, int]] = []
         self._unresolved: set[int] = set()
 
@@ -216,7 +231,13 @@ class Messenger:
                 f"minibatches sent {', '.join(map(str, before))}; use fixed-size minibatches (drop the last "
                 "partial one)"
             )
-        buf = _encode(header, specs, self.device)
+        if channel == "act":  # fixed shapes: the header's template is made once per peer
+            template = self._templates.get(peer)
+            if template is None:
+                template = self._templates[peer] = _template(specs)
+        else:
+            template = None
+        buf = _encode(header, specs, self.device, template)
         link, base = _CHANNELS[channel]
         link = self._link(link, self._stage)
         code = self._code(header.minibatch, self._stage)

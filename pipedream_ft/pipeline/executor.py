@@ -43,6 +43,7 @@ from .crossing import Structure, outgoing
 from .data import bind_inputs
 from .group import CommGroup
 from .hooks import Hooks
+from . import optimstep
 from .modes import Mode
 from .reparam import Reparametrized
 from .splitbackward import WeightBackward, input_backward
@@ -519,14 +520,6 @@ class Executor:
         floats = [t for t in rec.outputs if t.is_floating_point()]
         pairs = [(o, g) for o, g in zip(floats, received) if o.requires_grad]
         return [p[0] for p in pairs], [p[1] for p in pairs]
-        if rec.grad_recv is None:
-            raise PipelineSetupError(f"stage {self.topo.stage}: the backward of minibatch {rec.header.minibatch} "
-                                     "runs before its RECV_B: the lowered schedule is out of order")
-        _, received = rec.grad_recv.wait()
-        self._waited(rec.grad_recv, "gradient")
-        floats = [t for t in rec.outputs if t.is_floating_point()]
-        pairs = [(o, g) for o, g in zip(floats, received) if o.requires_grad]
-        return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def _weights(self, rec: _InFlight) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The weight tensors the forward used (its version's, tied ones included) and the parameters their
@@ -609,8 +602,8 @@ class Executor:
 
     def _step(self) -> None:
         if self.state.optimizer is not None:
-            self.state.optimizer.step()
-            self.state.optimizer.zero_grad(set_to_none=True)
+            optimstep.step(self.state.optimizer)
+            optimstep.zero_grad(self.state.optimizer)
 
     def _note_stash(self) -> None:
         versions = self.state.versions

@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from . import optimstep
 from .compensation import Compensation, Compensator, momentum_of
 from .connection import Connection
 from .precision import LossScaler
@@ -110,7 +111,7 @@ class Stepper:
         if state.optimizer is not None:
             if not skip:
                 self._step(state)
-            state.optimizer.zero_grad(set_to_none=True)
+            optimstep.zero_grad(state.optimizer)
         if self.scaler is not None:
             self.scaler.update(skip)
         if self.scheduler is not None:
@@ -120,12 +121,12 @@ class Stepper:
         assert state.optimizer is not None
         comp = self.compensator
         if comp is None:
-            state.optimizer.step()
+            optimstep.step(state.optimizer)
             return
         update = state.versions.current.updates
         stale = state.versions.get(max(0, update - comp.delay)).tensors if comp.stale_version else None
         comp.before_step(state.params, state.optimizer, update, stale)
-        state.optimizer.step()
+        optimstep.step(state.optimizer)
         state.versions.offset = comp.after_step(state.params, state.optimizer)
 
     def _scale(self, grads: list[torch.Tensor], norm: float) -> None:

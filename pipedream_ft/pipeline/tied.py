@@ -37,6 +37,7 @@ from torch import nn
 from partitioner.plan import PlanError
 
 from ..errors import PipelineSetupError
+from . import optimstep
 from .connection import Connection
 from .modes import Mode
 from .topology import Topology
@@ -267,8 +268,8 @@ class TiedParameters:
             for stage in g.spec.stages:  # the same sum, in the same order, on every holder
                 total = grads[stage].clone() if total is None else total.add_(grads[stage])
             g.param.grad = total
-            g.optimizer.step()
-            g.optimizer.zero_grad(set_to_none=True)
+            optimstep.step(g.optimizer)
+            optimstep.zero_grad(g.optimizer)
             if g.scheduler is not None:
                 g.scheduler.step()
             g.versions.publish()
