@@ -481,7 +481,8 @@ class PipelineTrainer:
             control = RePlanControl(policy, plan=self.plan, profile=self.profile, key=key,
                                     world_size=self.plan.num_stages if several else self.env.world_size,
                                     coordinator=self.coordinator, storage=self.ckpt.storage,
-                                    slots=range(self.plan.num_stages) if several else None)
+                                    slots=range(self.plan.num_stages) if several else None,
+                                    placement=self.layout.placement if self.layout is not None else None)
             self.ckpt.replan_due = control.due
 
     def _connect(self, store: Any, cancelled: Callable[[], bool] | None = None) -> None:

@@ -4,7 +4,10 @@ Each rank measures its stage's compute time per minibatch (forward and backward,
 statistics) and publishes it to the job's store every ``every`` minibatches. Rank 0 (stage 0) then corrects
 the profile with the measurements — the layers of each stage scaled so that their sum is the stage's measured
 time (:func:`corrected_profile`) — plans again with the plan's own settings, and compares, under the corrected
-costs, the current plan's predicted time per minibatch (:func:`plan_time`) with the new plan's. When the new
+costs, the current plan's predicted time per minibatch (:func:`plan_time`) with the new plan's: the slowest
+stage's with one stage per process; with several stages per process (interleaved 1F1B, ZBV, DualPipeV: see
+:mod:`pipedream_ft.virtual`) the busiest process's, the sum of its stages' compute, since a process runs its
+stages one after another. When the new
 one is at least ``min_gain`` faster (10 % by default), it logs both plans and the gain, stores the new plan
 beside the checkpoints, and marks a checkpoint cut that stops the job; every process starts again on the new
 plan and reshards the cut's checkpoint into it — the path an elastic resize takes, losing no update. Under
@@ -20,7 +23,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Sequence
 
 from partitioner.plan import Plan, PlanError
 from profiler.profile import Profile
@@ -29,8 +32,8 @@ from ..checkpoint import Storage
 from ..errors import EXIT_REPLAN, PipelineError
 from .elastic import describe_plan, replan
 
-__all__ = ["RePlanPolicy", "RePlanned", "corrected_profile", "plan_time", "load_replanned", "store_replanned",
-           "Measurement", "consider"]
+__all__ = ["RePlanPolicy", "RePlanned", "corrected_profile", "plan_time", "processes_of", "load_replanned",
+           "store_replanned", "Measurement", "consider"]
 
 log = logging.getLogger(__name__)
 
@@ -109,33 +112,66 @@ def corrected_profile(profile: Profile, plan: Plan, measured: dict[int, float]) 
                    keep_together=profile.keep_together)
 
 
-def plan_time(profile: Profile, plan: Plan) -> float:
-    """The predicted time per minibatch of ``plan`` under ``profile``'s costs: its slowest stage's compute
-    (and weight all-reduce, for a replicated stage) at the plan's outermost bandwidth; transfers as the plan
-    predicted them (they do not depend on compute)."""
+def processes_of(plan: Plan, placement: Sequence[int] | None = None) -> list[int] | None:
+    """The process of each stage of ``plan`` (``placement[s]``: the process that runs stage ``s``, a layout's
+    :attr:`~pipedream_ft.schedules.WindowSchedule.placement`), or where the schedule of several stages per process
+    the plan records places them (:func:`partitioner.report.placement_of`); ``None`` for one stage per process.
+    Raises :class:`PlanError` for a placement that is not one process per stage."""
+    if placement is None:
+        from partitioner.report import placement_of
+
+        where = placement_of(plan)
+        return None if where is None else [where[s] for s in range(plan.num_stages)]
+    where = [int(p) for p in placement]
+    if len(where) != plan.num_stages:
+        raise PlanError(f"the placement {where} places {len(where)} stages; the plan has {plan.num_stages}")
+    return where
+
+
+def plan_time(profile: Profile, plan: Plan, placement: Sequence[int] | None = None) -> float:
+    """The predicted time per minibatch of ``plan`` under ``profile``'s costs, at the plan's outermost bandwidth;
+    transfers as the plan predicted them (they do not depend on compute). One stage per process: the slowest
+    stage's compute (and weight all-reduce, for a replicated stage). Several stages per process (``placement``,
+    or the plan's recorded schedule, see :func:`processes_of`): the busiest process's, the sum of the compute of
+    the stages it holds, which it runs one after another on one thread."""
     from partitioner import cost
 
     bandwidth = float(min(plan.settings.get("bandwidth") or [1e9]))
-    worst = 0.0
+    times = []
     for stage in plan.stages:
         compute = _stage_compute(profile, stage.layers)
         params = sum(profile.layers[i].parameter_bytes for i in stage.layers)
-        worst = max(worst, float(cost.stage_compute_time(compute, params, stage.replicas, bandwidth)))
-    return worst
+        times.append(float(cost.stage_compute_time(compute, params, stage.replicas, bandwidth)))
+    where = processes_of(plan, placement)
+    if where is None:
+        return max(times, default=0.0)
+    busy: dict[int, float] = {}
+    for s, t in enumerate(times):
+        busy[where[s]] = busy.get(where[s], 0.0) + t
+    return max(busy.values(), default=0.0)
 
 
-def consider(profile: Profile, plan: Plan, measured: dict[int, float], world_size: int, min_gain: float
-             ) -> tuple[Plan, float] | None:
-    """The better plan and its predicted gain (``t_current / t_new - 1``) if the measured costs make one at
-    least ``min_gain`` faster, else ``None``. A plan that cannot be made (memory) keeps the current one."""
+def consider(profile: Profile, plan: Plan, measured: dict[int, float], world_size: int, min_gain: float,
+             placement: Sequence[int] | None = None) -> tuple[Plan, float] | None:
+    """The better plan and its predicted gain (``t_current / t_new - 1``, :func:`plan_time`) if the measured costs
+    make one at least ``min_gain`` faster, else ``None``. A plan that cannot be made (memory) keeps the current one.
+    ``placement``: the process of each stage, for several stages per process (see :func:`processes_of`); the new
+    plan is then a straight one of as many stages (``world_size``), laid out the same way, and both are predicted
+    per process."""
     corrected = corrected_profile(profile, plan, measured)
+    where = processes_of(plan, placement)
+    settings = plan.settings if where is None else {**plan.settings, "straight": True}
     try:
-        new = replan(corrected, world_size, plan.settings)
+        new = replan(corrected, world_size, settings)
     except PlanError as exc:
         log.warning("re-planning from the measured costs failed, keeping the current plan: %s", exc)
         return None
-    current = plan_time(corrected, plan)
-    candidate = plan_time(corrected, new)
+    if where is not None and new.num_stages != len(where):
+        log.warning("re-planning from the measured costs made %d stages, not the %d the layout places; keeping the "
+                    "current plan", new.num_stages, len(where))
+        return None
+    current = plan_time(corrected, plan, where)
+    candidate = plan_time(corrected, new, where)
     if candidate <= 0 or [s.layers for s in new.stages] == [s.layers for s in plan.stages] \
             and [s.replicas for s in new.stages] == [s.replicas for s in plan.stages]:
         return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from partitioner.plan import Plan, PlanError
 from profiler.profile import Profile
@@ -18,7 +18,7 @@ from ..errors import say
 from ..pipeline.executor import RankStats
 from ..pipeline.hooks import Hooks
 from .elastic import describe_plan
-from .replan import Measurement, RePlanPolicy, consider, store_replanned
+from .replan import Measurement, RePlanPolicy, consider, processes_of, store_replanned
 
 __all__ = ["Measure", "RePlanControl"]
 
@@ -58,9 +58,12 @@ class RePlanControl:
     """Rank 0's decisions: at a possible cut, is a re-plan due (see :meth:`due`)."""
 
     def __init__(self, policy: RePlanPolicy, *, plan: Plan, profile: Profile, key: str, world_size: int,
-                 coordinator: Any, storage: Any, slots: Iterable[int] | None = None) -> None:
+                 coordinator: Any, storage: Any, slots: Iterable[int] | None = None,
+                 placement: Sequence[int] | None = None) -> None:
         """``world_size``: the workers the new plan is for (with several stages per process: the stages);
-        ``slots``: where the stages' measurements are filed (``None``: under each rank)."""
+        ``slots``: where the stages' measurements are filed (``None``: under each rank); ``placement``: with
+        several stages per process, the process of each stage (the layout's), so that plans are predicted per
+        process (``None``: one stage per process, or where the plan's recorded schedule places them)."""
         self.policy = policy
         self.plan = plan
         self.profile = profile
@@ -70,6 +73,7 @@ class RePlanControl:
         self.coordinator = coordinator
         self.storage = storage
         self.slots = list(slots) if slots is not None else None
+        self.placement = list(placement) if placement is not None else None
         self.replans = 0
 
     def due(self, cut: int) -> bool:
@@ -85,7 +89,7 @@ class RePlanControl:
             return False
         measured = {s: sum(v) / len(v) for s, v in per_stage.items()}
         try:
-            found = consider(self.profile, self.plan, measured, self.world_size, policy.min_gain)
+            found = consider(self.profile, self.plan, measured, self.world_size, policy.min_gain, self.placement)
         except PlanError as exc:  # measured costs that make no sense: keep the plan, keep training
             log.warning("not re-planning: %s", exc)
             return False
@@ -94,8 +98,11 @@ class RePlanControl:
         new, gain = found
         store_replanned(self.storage, self.plan, new, self.key)
         self.replans += 1
+        where = processes_of(self.plan, self.placement)
+        busy = "" if where is None else " (per process: " + ", ".join(
+            f"{sum(measured[s] for s in measured if where[s] == p) * 1000:.1f}" for p in sorted(set(where))) + ")"
         msg = (f"re-planning at minibatch {cut}: measured stage times "
-               f"{', '.join(f'{measured[s] * 1000:.1f}' for s in sorted(measured))} ms per minibatch; "
+               f"{', '.join(f'{measured[s] * 1000:.1f}' for s in sorted(measured))}{busy} ms per minibatch; "
                f"{describe_plan(self.plan)} -> {describe_plan(new)}, predicted {gain:.0%} faster")
         log.warning(msg)
         say(f"pipedream-ft: {msg}", sys.stdout)
