@@ -4,8 +4,9 @@ An activation message is a fixed-size ``int64`` header followed by the tensors c
 header carries the minibatch number, a version tag, flags (for instance "checkpoint after this minibatch")
 and the tensors' dtypes and shapes, so the receiver learns shapes from the first message on a link without the
 user declaring them; later receives are posted ahead of time with the learned shapes, and the header is
-checked against them. A gradient message is just the gradients of the floating-point tensors of the matching
-activation message, whose shapes both sides already know.
+checked against them. Once a link's shapes are known, an activation of at most :data:`PACK_LIMIT` bytes
+travels with its header as one message (:class:`Packing`). A gradient message is just the gradients of the
+floating-point tensors of the matching activation message, whose shapes both sides already know.
 
 Every wait is bounded: a peer that is dead or stuck makes :class:`PeerTimeoutError` name the operation and the
 peer instead of hanging. With gloo each message gets its own tag; NCCL ignores tags and keeps order per pair.
@@ -36,7 +37,7 @@ from .group import CommGroup, PeerTimeoutError, backend_reason
 if TYPE_CHECKING:
     from .colocated import Handoff, StageRoute
 
-__all__ = ["TensorSpec", "Header", "PeerTimeoutError", "ShapeMismatchError", "Messenger", "RecvHandle"]
+__all__ = ["TensorSpec", "Header", "PeerTimeoutError", "ShapeMismatchError", "Messenger", "Packing", "RecvHandle"]
 
 HEADER_LEN = 8 + 16 * 11
 MAX_TENSORS = 16
@@ -134,6 +135,59 @@ _CHANNELS: dict[str, tuple[str, int]] = {
 }
 """channel -> (the link it rides on under NCCL, its tag base): tags never collide across channels."""
 
+PACK_LIMIT = 1 << 18
+"""Bytes up to which an activation message and its header travel as one message (see :class:`Packing`)."""
+_HEADER_BYTES = HEADER_LEN * 8
+_ALIGN = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Packing:
+    """An activation message sent as one buffer: the header, then each tensor's bytes at a 16-byte aligned offset.
+
+    Once both ends of a link know its shapes (after its first message, the pre-flight's), an activation of at most
+    :data:`PACK_LIMIT` bytes travels with its header as one message instead of one for the header and one per
+    tensor: a send and a receive fewer per minibatch and stage boundary, at the cost of one copy of a small
+    activation. The receiver's tensors are views of the received buffer. Larger activations keep one message per
+    tensor (no copy)."""
+
+    offsets: tuple[int, ...]
+    nbytes: tuple[int, ...]
+    """Each tensor's byte offset and length."""
+    pads: tuple[int, ...]
+    """Zero bytes after each tensor, up to the next aligned offset."""
+    size: int
+    """The whole buffer's bytes."""
+
+    @staticmethod
+    def of(specs: Sequence[TensorSpec]) -> Packing | None:
+        """The packing of a message of ``specs``, or ``None`` when it is larger than :data:`PACK_LIMIT`."""
+        offsets, nbytes, pads = [], [], []
+        end = _HEADER_BYTES
+        for spec in specs:
+            n = spec.dtype.itemsize
+            for d in spec.shape:
+                n *= d
+            offsets.append(end)
+            nbytes.append(n)
+            pads.append(-n % _ALIGN)
+            end += n + pads[-1]
+        return Packing(tuple(offsets), tuple(nbytes), tuple(pads), end) if end <= PACK_LIMIT else None
+
+    def pack(self, header: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One ``uint8`` buffer of the encoded ``header`` and ``tensors``."""
+        chunks = [header.view(torch.uint8)]
+        for t, pad in zip(tensors, self.pads):
+            chunks.append(t.detach().reshape(-1).view(torch.uint8))
+            if pad:
+                chunks.append(torch.zeros(pad, dtype=torch.uint8, device=header.device))
+        return torch.cat(chunks)
+
+    def unpack(self, buf: torch.Tensor, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
+        """The tensors of a received buffer (views of it)."""
+        return [buf[o: o + n].view(spec.dtype).view(spec.shape)
+                for o, n, spec in zip(self.offsets, self.nbytes, specs)]
+
 
 class RecvHandle:
     """A posted receive; :meth:`wait` returns the header (or ``None`` for gradients) and the tensors."""
@@ -151,6 +205,8 @@ class RecvHandle:
         self.expected: list[TensorSpec] | None = None
         self.wait_s = 0.0
         self.deferred = False
+        self.packing: Packing | None = None
+        """Set when the message comes as one buffer (``header_buf``) holding the header and the tensors."""
 
     def wait(self) -> tuple[Header | None, list[torch.Tensor]]:
         t0 = time.perf_counter()
@@ -160,7 +216,10 @@ class RecvHandle:
             self._m._post_header(self)
         if self.header_work is not None:
             self._m._wait(self.header_work, f"{self.what} header of minibatch {self.minibatch}", self.peer)
-            header, specs = _decode(self.header_buf)  # type: ignore[arg-type]
+            assert self.header_buf is not None
+            packing = self.packing
+            header, specs = _decode(self.header_buf if packing is None else
+                                    self.header_buf[:_HEADER_BYTES].view(torch.int64))
             if header.minibatch != self.minibatch:
                 raise ShapeMismatchError(
                     f"expected minibatch {self.minibatch} from rank {self.peer}, got {header.minibatch}"
@@ -175,6 +234,8 @@ class RecvHandle:
                     f"but earlier minibatches were {', '.join(map(str, self.expected))}; use fixed-size "
                     "minibatches (drop the last partial one)"
                 )
+            if packing is not None:
+                self.tensors = packing.unpack(self.header_buf, specs)
         for w in self.works:
             self._m._wait(w, f"{self.what} of minibatch {self.minibatch}", self.peer)
         self.wait_s = time.perf_counter() - t0
@@ -215,6 +276,8 @@ class Messenger:
         self._sent_specs: dict[int, list[TensorSpec]] = {}
         self._templates: dict[int, np.ndarray] = {}
         """peer -> the activation header's template (its shapes are fixed: see :meth:`send_activations`)."""
+        self._packings: dict[tuple[int, bool], Packing | None] = {}
+        """(peer, sending) -> how the activations on that link are packed (``None``: they are not, too large)."""
         self._pending: list[tuple[Any, Any, str, int]] = []
         self._unresolved: set[int] = set()
 
@@ -224,7 +287,15 @@ class Messenger:
                          ) -> None:
         """Send ``header`` and ``tensors`` to ``peer`` on ``channel`` (see the module docstring)."""
         specs = [TensorSpec.of(t) for t in tensors]
-        before = self._sent_specs.setdefault(peer, specs) if channel == "act" else specs
+        packing = None
+        if channel == "act":
+            before = self._sent_specs.get(peer)
+            if before is None:  # the link's first message (the pre-flight's) teaches the receiver its shapes
+                before = self._sent_specs[peer] = specs
+            elif before == specs:
+                packing = self._packing(peer, True, specs)
+        else:
+            before = specs
         if before != specs:
             raise ShapeMismatchError(
                 f"minibatch {header.minibatch} sends {', '.join(map(str, specs))} to rank {peer}, but earlier "
@@ -242,10 +313,20 @@ class Messenger:
         link = self._link(link, self._stage)
         code = self._code(header.minibatch, self._stage)
         what = "activation" if channel == "act" else f"{channel} message"
+        if packing is not None:
+            self._isend(packing.pack(buf, tensors), peer, base + _tag(code, 0), f"{what} of minibatch "
+                        f"{header.minibatch}", link)
+            return
         self._isend(buf, peer, base + _tag(code, 0), f"{what} header of minibatch {header.minibatch}", link)
         for i, t in enumerate(tensors):
             self._isend(t.detach().contiguous(), peer, base + _tag(code, i + 1),
                         f"{what} of minibatch {header.minibatch}", link)
+
+    def _packing(self, peer: int, sending: bool, specs: Sequence[TensorSpec]) -> Packing | None:
+        key = (peer, sending)
+        if key not in self._packings:
+            self._packings[key] = Packing.of(specs)
+        return self._packings[key]
 
     def send_object(self, peer: int, obj: Any) -> None:
         """Send a small picklable object on the activation channel (the pre-flight's structure message)."""
@@ -341,8 +422,16 @@ class Messenger:
         return h
 
     def _post_header(self, h: RecvHandle) -> None:
-        h.header_buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         link, base = _CHANNELS[h.channel]
+        known = self._learned.get(h.peer) if h.channel == "act" else None
+        packing = self._packing(h.peer, False, known) if known is not None else None
+        if packing is not None:  # header and tensors in one buffer (see Packing)
+            h.packing, h.expected = packing, known
+            h.header_buf = torch.empty(packing.size, dtype=torch.uint8, device=self.device)
+            h.header_work = self._irecv(h.header_buf, h.peer, base + _tag(self._code(h.minibatch, h.peer), 0),
+                                        self._link(link, h.peer))
+            return
+        h.header_buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         h.header_work = self._irecv(h.header_buf, h.peer, base + _tag(self._code(h.minibatch, h.peer), 0),
                                     self._link(link, h.peer))
         if h.channel != "act":

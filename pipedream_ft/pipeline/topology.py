@@ -8,7 +8,7 @@ stages with ``R`` and ``R'`` replicas pair their replicas modulo ``gcd(R, R')``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from partitioner.plan import Plan
 
@@ -25,6 +25,11 @@ class Topology:
     """Index of this rank's stage."""
     replica: int
     """Index of this rank among its stage's replicas."""
+    _replicas: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    """The replica counts, read once: the executor asks for them several times per minibatch."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_replicas", tuple(s.replicas for s in self.plan.stages))
 
     @staticmethod
     def of(plan: Plan, rank: int) -> Topology:
@@ -38,7 +43,7 @@ class Topology:
     @property
     def replicas(self) -> tuple[int, ...]:
         """Replica count of every stage."""
-        return tuple(s.replicas for s in self.plan.stages)
+        return self._replicas
 
     @property
     def is_first(self) -> bool:
@@ -46,7 +51,7 @@ class Topology:
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
+        return self.stage == len(self._replicas) - 1
 
     @property
     def stage_ranks(self) -> tuple[int, ...]:
