@@ -500,3 +500,88 @@ def test_rewind_retires_later_commits_so_the_steps_are_written_anew(tmp_path) ->
     assert torch.equal(load_part(st, 2, "a")["x"], torch.full((4,), 20.0))
     assert w.rewind(2) == [] and list_committed(st) == [1, 2]  # nothing newer: nothing retired
     w.close()
+
+
+# ------------------------------------------------------------------------------------- one background
+
+
+def test_one_background_thread_serves_every_part_of_a_process(storage: Storage) -> None:
+    """A process of three stages writes its three parts with one thread: the writers share a Background, every
+    step commits with every part, each part keeps its own durability, and closing them leaves the thread to its
+    owner, which stops it."""
+    from pipedream_ft.checkpoint.background import Background
+
+    before = threading.active_count()
+    background = Background("checkpoint-writer")
+    parts = ["stage0-replica0", "stage2-replica0", "stage4-replica0"]
+    ws = writers(storage, parts, background=background, keep=10)
+    assert threading.active_count() == before + 1 and background.clients == 3
+    assert [t.name for t in threading.enumerate()].count("checkpoint-writer") == 1
+    handles = [[w.save(step, {"x": torch.full((3,), float(step * 10 + k))}) for k, w in enumerate(ws)]
+               for step in (1, 2, 3)]
+    assert all(w.flush(10) for w in ws)
+    assert all(h.ok for row in handles for h in row)
+    assert [row[0].committed for row in handles] == [True, True, True]  # the committer's handles
+    assert [w.last_durable for w in ws] == [3, 3, 3] and ws[0].last_committed == 3
+    assert list_committed(storage) == [1, 2, 3]
+    assert read_commit(storage, 3).parts.keys() == set(parts)
+    for k, name in enumerate(parts):
+        assert torch.equal(load_part(storage, 2, name)["x"], torch.full((3,), float(20 + k)))
+    for w in ws:
+        assert w.close(10)
+    assert background.clients == 0 and threading.active_count() == before + 1  # the owner closes it
+    assert background.close(10) and threading.active_count() == before
+    with pytest.raises(RuntimeError, match="background 'checkpoint-writer' is closed"):
+        writers(storage, ["late"], background=background)
+
+
+def test_a_part_retrying_on_the_shared_thread_does_not_hold_up_the_others(storage: Storage, caplog) -> None:
+    """One part's writes fail and are tried again later; meanwhile the same thread writes the other parts (no
+    sleeping in between), and once storage takes the part again the step commits."""
+    from pipedream_ft.checkpoint.background import Background
+
+    down = threading.Event()
+    down.set()
+    real_write = storage.write_bytes
+
+    def write(rel: str, data: Any) -> None:
+        if down.is_set() and "part-b" in rel:
+            raise StorageError(f"{rel}: injected outage")
+        real_write(rel, data)
+
+    storage.write_bytes = write  # type: ignore[method-assign]
+    background = Background("checkpoint-writer")
+    w0, w1, w2 = writers(storage, ["a", "b", "c"], background=background, commit_timeout_s=30,
+                         max_poll_interval_s=0.05)
+    with caplog.at_level(logging.DEBUG, logger="pipedream_ft.checkpoint"):
+        hb = w1.save(1, {"x": 1})  # b first: its retries come before a's and c's writes
+        ha, hc = w0.save(1, {"x": 1}), w2.save(1, {"x": 1})
+        assert hc.wait(10) and hc.ok and w2.last_durable == 1
+        assert storage.exists(fmt.part_meta_path(1, "a")) and w0.last_durable == 1
+        assert not hb.done() and not ha.done() and w1.backlog == 1
+        down.clear()
+        assert hb.wait(10) and hb.ok and ha.wait(10) and ha.committed
+    # the run of failures is logged once
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "part b" in r.getMessage()]
+    assert len(warned) == 1 and "retrying" in warned[0]
+    assert list_committed(storage) == [1]
+    for w in (w0, w1, w2):
+        w.close(10)
+    background.close(10)
+
+
+def test_a_shared_background_is_validated() -> None:
+    from pipedream_ft.checkpoint.background import Background
+
+    storage = Storage(f"memory://pdft-test-{uuid.uuid4().hex}")
+    background = Background("checkpoint-writer")
+    with pytest.raises(ValueError, match=r"persist_nice=5 is for a writer's own thread; a shared background "
+                                         r"\('checkpoint-writer'\) has its own nice \(None\)"):
+        CheckpointWriter(storage, "a", background=background, persist_nice=5)
+    with pytest.raises(TypeError, match="background must be a Background, got str"):
+        CheckpointWriter(storage, "a", background="thread")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="nice must be None or an int in \\[-20, 19\\], got 40"):
+        Background("x", nice=40)
+    with pytest.raises(ValueError, match="name must be a non-empty string, got ''"):
+        Background("")
+    assert background.close(10) and background.close(10)

@@ -269,3 +269,39 @@ def test_one_snapshot_feeds_both_tiers_and_its_buffers_return_at_the_last_releas
     fast.close()
     shm.destroy()
 
+
+
+def test_one_background_thread_writes_every_part_to_every_tier(tmp_path) -> None:
+    """A process of two stages saving each cut to the memory tier and durably: four writers, one thread. Each
+    part is snapshotted once for both tiers, the memory tier has every part, and the cut commits with both."""
+    import threading
+
+    from pipedream_ft.checkpoint.background import Background
+    from pipedream_ft.checkpoint.reader import list_committed
+
+    storage = Storage(str(tmp_path / "durable"))
+    shm = MemoryTier("job", key=KEY, root=str(tmp_path))
+    before = threading.active_count()
+    background = Background("checkpoint-writer")
+    parts = ["stage0-replica0", "stage3-replica0"]
+    durable = [CheckpointWriter(storage, name, expected_parts=parts, is_committer=k == 0, poll_interval_s=0.005,
+                                background=background) for k, name in enumerate(parts)]
+    fast = [TierWriter([shm], name, keep=5, background=background) for name in parts]
+    assert threading.active_count() == before + 1 and background.clients == 4
+    for step in (4, 8):
+        for k in range(2):
+            live = state_of(step + k)
+            snap = durable[k].snapshot(live)
+            handle, saved = durable[k].save(step, snap), fast[k].save(step, snap)
+            snap.release()
+            live["w"].add_(1)  # training goes on at once: neither tier sees it
+    assert all(w.flush(10) for w in fast + durable)  # type: ignore[operator]
+    assert all(w._pool._arenas == [] for w in fast)  # the memory tier's writers copied nothing
+    assert shm.steps(parts) == [4, 8] and list_committed(storage) == [4, 8]
+    for k, name in enumerate(parts):
+        same_state(shm.get(8, name), state_of(8 + k))
+        same_state(DurableTier(storage).get(8, name), state_of(8 + k))
+    for w in fast + durable:  # type: ignore[operator]
+        w.close(10)
+    assert background.close(10) and threading.active_count() == before
+    shm.destroy()

@@ -318,6 +318,61 @@ def test_one_rank_per_process_runs_its_lowered_list_and_is_minibatch_sgd(schedul
         assert many == few, (what, many, few)
 
 
+def _checkpointed_threads(stage_layers: list[list[int]], schedule: str, url: str) -> dict:
+    """Per-process body: train 8 minibatches (flush mode, windows of 4) checkpointing every cut to the memory tier
+    and to ``url``; the process's threads while its writers are open, its stages, and whether every cut committed."""
+    import threading
+
+    from pipedream_ft import CheckpointConfig, PipelineConfig, PipelineTrainer
+    from pipedream_ft.policies import EveryNSteps
+    from torch import nn
+
+    model = mlp()
+    trainer = PipelineTrainer(model, plan_for(model, stage_layers), loss_fn=nn.functional.cross_entropy,
+                              optimizer_factory=adam,
+                              config=PipelineConfig(mode="flush", flush_every=4, timeout_s=60, schedule=schedule,
+                                                    summary=False),
+                              checkpoint=CheckpointConfig(url=url, policy=EveryNSteps(4), memory_policy=EveryNSteps(4),
+                                                          defer_when_behind=False))
+    trainer.train(data, 8)
+    ckpt = trainer.ckpt
+    assert ckpt is not None and ckpt.flush_durable(timeout=60)
+    threads = {"python": sorted(t.name.split("-")[0] if t.name.startswith("Thread-") else t.name
+                                for t in threading.enumerate()),
+               "os": len(os.listdir("/proc/self/task"))}
+    out = {"threads": threads, "parts": ckpt.names, "memory": ckpt.memory is not None,
+           "durable": [p.writer.last_durable for p in ckpt.parts if p.writer is not None]}
+    trainer.close()
+    return out
+
+
+@pytest.mark.slow
+def test_a_process_checkpointing_several_stages_has_the_threads_of_a_process_of_one_stage(tmp_path):
+    """With both checkpoint tiers on, a process's background writing is one thread per tier whatever its number
+    of stages: a process of 2 stages (ZBV) or 3 (interleaved zero bubble) runs as many threads as one of 1 (1F1B)."""
+    env = {"TORCHELASTIC_RUN_ID": f"threads-{os.getpid()}", "PIPEDREAM_FT_SECRET": "s" * 32}
+    runs = {}
+    for name, stages, schedule in (("one", [[0, 1, 2, 3], [4, 5, 6, 7, 8]], "1f1b"), ("two", P4, "zbv"),
+                                   ("three", P6, "interleaved_zero_bubble")):
+        runs[name] = run_world(_checkpointed_threads, 2, stages, schedule, str(tmp_path / name), env=env,
+                               timeout=240)
+    for name, per_process in (("one", 1), ("two", 2), ("three", 3)):
+        for rank in (0, 1):
+            got = runs[name][rank][1]
+            assert len(got["parts"]) == per_process and got["memory"], (name, rank, got["parts"])
+            assert got["durable"] == [8] * per_process, (name, rank, got["durable"])
+    # both processes together (the one holding the last stage reports progress; rank 0 commits)
+    few = runs["one"]
+    for name in ("two", "three"):
+        many = runs[name]
+        python = [sorted(run[0][1]["threads"]["python"] + run[1][1]["threads"]["python"]) for run in (many, few)]
+        assert python[0] == python[1], (name, python)
+        # one background writer per tier and process
+        assert python[0].count("checkpoint-writer") == 2 and python[0].count("checkpoint-tiers") == 2, python
+        os_threads = [run[0][1]["threads"]["os"] + run[1][1]["threads"]["os"] for run in (many, few)]
+        assert os_threads[0] <= os_threads[1], (name, os_threads)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["zbv", "interleaved_1f1b"])
 def test_global_clipping_and_a_scheduler_over_several_stages_per_process_are_minibatch_sgd(schedule):

@@ -31,10 +31,20 @@ the :class:`CheckpointWriter` saves less often to the durable storage (:class:`D
     step, tier_name, state = load_newest(tiers, part_name, agreed_steps)
     ...
     shm.destroy()                                               # at job end
+
+A process holding several parts (one per stage) serves all its writers, of every tier, from one thread
+(:mod:`.background`)::
+
+    background = Background("checkpoint-writer")
+    writers = [CheckpointWriter(storage, name, expected_parts=all_parts, background=background) for name in mine]
+    fast = [TierWriter([shm], name, background=background) for name in mine]
+    ...                                                         # close the writers, then the background
+    background.close()
 """
 
 from __future__ import annotations
 
+from .background import Background
 from .checksum import ALGORITHMS as CHECKSUM_ALGORITHMS
 from .format import CheckpointError, CommitRecord, CorruptCheckpointError, PartMeta
 from .reader import (check_compatible, decode_verified, latest_committed, list_committed, load_latest, load_part,
@@ -49,6 +59,7 @@ from .writer import CheckpointWriter, SaveHandle
 
 __all__ = [
     "CHECKSUM_ALGORITHMS",
+    "Background",
     "Buffers",
     "CheckpointError",
     "CheckpointWriter",

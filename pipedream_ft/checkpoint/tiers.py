@@ -10,7 +10,8 @@ A :class:`Tier` stores encoded parts (:mod:`.tensorfile` bytes with their checks
   :class:`~.writer.CheckpointWriter`; only committed steps count as complete there.
 
 :class:`TierWriter` saves a state asynchronously into one or more tiers (snapshot now, encode once, put into
-each tier in a background thread). The runtime decides when each tier saves (its own policy per tier) and which
+each tier in the background: a :class:`~.background.Background` thread shared with the process's other parts'
+tier writers, or a thread of its own). The runtime decides when each tier saves (its own policy per tier) and which
 to restore from: :func:`available_steps` tells, per tier, the steps for which this rank's part can be read, and
 :func:`load_newest` loads the newest step every rank can get (the runtime agrees on it across ranks first:
 ``min`` over ranks of the newest available step is *not* enough, it must intersect the sets), verifying the part
@@ -27,6 +28,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+from .background import Background, Client
 from .checksum import DEFAULT_ALGORITHM, validate_algorithm
 from .format import CheckpointError, CorruptCheckpointError, validate_part_name, validate_step
 from .reader import list_committed, load_part
@@ -152,14 +154,18 @@ class TierSave:
         return self.done() and not self.errors
 
 
-class TierWriter:
+class TierWriter(Client):
     """Saves this rank's part into fast tiers in the background: ``save`` snapshots (immutable tensors referenced,
-    the rest copied into reused buffers), a thread encodes the part once and puts it into every tier in order.
+    the rest copied into reused buffers), the background thread encodes the part once and puts it into every tier
+    in order. ``background``: the thread serving it, shared with the process's other parts' tier writers (the
+    caller closes it after them; see :mod:`.background`); ``None``: a thread of its own.
 
     Like :class:`~.writer.CheckpointWriter` it never drops a save: :attr:`backlog` counts saves not finished, and
     ``save`` waits while ``max_queued`` are queued. A tier that fails is logged once per run of failures, and
     the other tiers still get the part.
     """
+
+    priority = 0  # served before the durable writers: the fast tiers are what in-place recovery restores
 
     def __init__(
         self,
@@ -169,6 +175,7 @@ class TierWriter:
         keep: int = 2,
         max_queued: int = 1,
         checksum_algorithm: str = DEFAULT_ALGORITHM,
+        background: Background | None = None,
     ) -> None:
         if not tiers or not all(isinstance(t, Tier) for t in tiers):
             raise TypeError(f"tiers must be a non-empty sequence of Tier, got {tiers!r}")
@@ -176,20 +183,23 @@ class TierWriter:
             raise ValueError(f"keep must be an int >= 1, got {keep!r}")
         if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 1:
             raise ValueError(f"max_queued must be an int >= 1, got {max_queued!r}")
+        if background is not None and not isinstance(background, Background):
+            raise TypeError(f"background must be a Background, got {type(background).__name__}")
         self.tiers = tuple(tiers)
         self.part_name = validate_part_name(part_name)
         self.keep = keep
         self.max_queued = max_queued
         self.checksum_algorithm = validate_algorithm(checksum_algorithm)
         self._pool = SnapshotPool(max_arenas=max_queued + 1)
-        self._cond = threading.Condition()
+        self._own_background = background is None
+        self._background = background if background is not None else Background(f"checkpoint-tiers-{part_name}")
+        self._cond = self._background.cond
         self._queue: collections.deque[tuple[TierSave, Any]] = collections.deque()
         self._outstanding = 0
         self._closing = False
         self._last_step: int | None = None
         self._failing: dict[str, float] = {}
-        self._thread = threading.Thread(target=self._run, name=f"checkpoint-tiers-{part_name}", daemon=True)
-        self._thread.start()
+        self._background.attach(self)
 
     @property
     def backlog(self) -> int:
@@ -237,12 +247,23 @@ class TierWriter:
         return True
 
     def close(self, timeout: float | None = None) -> bool:
-        """Flush (up to ``timeout``), stop the thread and close the tiers. Idempotent."""
+        """Flush (up to ``timeout``; what is queued then still gets up to 5 s), stop serving it (its own thread
+        stops) and close the tiers; saves left then fail. Idempotent."""
         flushed = self.flush(timeout)
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join(timeout=None if flushed else 5.0)
+        if not flushed:
+            self.flush(5.0)
+        idle = self._background.detach(self, timeout=None if flushed else 5.0)
+        if self._own_background:
+            self._background.close(timeout=None if idle else 0.0)
+        with self._cond:
+            leftovers = list(self._queue)
+            self._queue.clear()
+        for handle, snap in leftovers:
+            handle.errors["*"] = f"step {handle.step} abandoned: tier writer {self.part_name!r} closed"
+            self._done(handle, snap)
         for tier in self.tiers:
             try:
                 tier.close()
@@ -250,27 +271,30 @@ class TierWriter:
                 pass
         return flushed
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closing:
-                    self._cond.wait()
-                if self._closing and not self._queue:
-                    return
-                handle, snap = self._queue.popleft()
-                self._cond.notify_all()
-            try:
-                self._put(handle, snap)
-            except Exception as exc:  # never let the thread die
-                logger.exception("checkpoint tiers %s: unexpected error", self.part_name)
-                handle.errors["*"] = str(exc)
-            finally:
-                snap.release()
-                assert handle._event is not None
-                handle._event.set()
-                with self._cond:
-                    self._outstanding -= 1
-                    self._cond.notify_all()
+    def due(self, now: float) -> float | None:
+        return now if self._queue else None
+
+    def serve(self, now: float) -> None:
+        with self._cond:
+            if not self._queue:
+                return
+            handle, snap = self._queue.popleft()
+            self._cond.notify_all()  # a save waiting for queue space may go on
+        try:
+            self._put(handle, snap)
+        except Exception as exc:  # never let the thread die
+            logger.exception("checkpoint tiers %s: unexpected error", self.part_name)
+            handle.errors["*"] = str(exc)
+        finally:
+            self._done(handle, snap)
+
+    def _done(self, handle: TierSave, snap: Any) -> None:
+        snap.release()
+        assert handle._event is not None
+        handle._event.set()
+        with self._cond:
+            self._outstanding -= 1
+            self._cond.notify_all()
 
     def _put(self, handle: TierSave, snap: Any) -> None:
         data, digest = snap.encoded(self.checksum_algorithm)

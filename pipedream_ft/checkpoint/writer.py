@@ -1,12 +1,14 @@
 """Asynchronous checkpoint writer: snapshot now, persist in a low-priority thread, commit when all parts are durable.
 
-Every rank owns one :class:`CheckpointWriter` writing its *part* of each checkpoint.
+A process owns one :class:`CheckpointWriter` per *part* of each checkpoint it writes (one per stage it holds).
 
 **Save.** :meth:`CheckpointWriter.save` takes a snapshot (:mod:`.snapshot`) — the only time training waits:
 tensors marked :func:`~.snapshot.immutable` are referenced, every other tensor is copied into reused buffers —
-and queues it. One background thread per writer persists the queued snapshots in order; its work is mostly
-GIL-free (``O_DIRECT`` writes straight from the snapshot's memory, ``zlib.crc32``), and ``persist_nice`` can
-lower its CPU priority:
+and queues it. A background thread persists each writer's queued snapshots in order: one
+:class:`~.background.Background` serves every writer of the process (every part, and the memory tier's
+:class:`~.tiers.TierWriter` too), so a process of several stages has no more threads than one of a single stage;
+a writer given none has a thread of its own. The work is mostly GIL-free (``O_DIRECT`` writes straight from the
+snapshot's memory, ``zlib.crc32``), and ``persist_nice`` can lower the thread's CPU priority:
 
 1. delete a stale part meta left by an earlier run, if any;
 2. write ``part-{name}.pt`` (:mod:`.tensorfile`: JSON header, then the tensors' bytes straight from memory, no
@@ -15,7 +17,8 @@ lower its CPU priority:
 On the committer (one writer among all ranks, ``is_committer=True``) the thread then polls storage until the meta
 of every part in ``expected_parts`` exists for that step and the part file it describes has the recorded size,
 and writes ``COMMIT.json`` (last, atomically, durably) with every part's checksum, then garbage-collects: keeps
-the newest ``keep`` committed checkpoints and removes uncommitted step directories older than the newest commit.
+the newest ``keep`` committed checkpoints and removes uncommitted step directories older than the newest commit
+(:mod:`.commit`, :mod:`.collect`).
 
 **Never dropped.** The writer never drops a save on its own. Contract with the caller (the runtime):
 
@@ -32,7 +35,8 @@ the newest ``keep`` committed checkpoints and removes uncommitted step directori
   (blocking), ``persist_s`` / ``persist_cpu_s`` (background) and ``commit_s``, to feed
   :meth:`~pipedream_ft.policies.CheckpointPolicy.observe`.
 
-**Failures never block training.** A part that cannot be written is retried (with backoff) until the step's
+**Failures never block training.** A part that cannot be written is retried (with backoff; the thread serves the
+other writers in between) until the step's
 deadline (``commit_timeout_s`` after ``save``) or until a newer save is queued; a step whose parts do not all
 appear (or whose part files vanished) before the deadline is given up (no commit). A commit record is never
 written unless every part's meta, written only after the part itself is durable, was read back and the part
@@ -54,106 +58,33 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from .background import Background, Client, lower_thread_priority
 from .checksum import DEFAULT_ALGORITHM, validate_algorithm
+from .collect import retire_after
+from .commit import Committing, Pending
 from .format import (
     CheckpointError,
-    CommitRecord,
-    CorruptCheckpointError,
     PartMeta,
     commit_path,
     normalize_metadata,
-    parse_step_dir,
     part_data_path,
     part_meta_path,
     step_dir,
     validate_part_name,
     validate_step,
 )
+from .handle import SaveHandle
 from .snapshot import Snapshot, SnapshotPool
 from .storage import Buffers, Storage, StorageError
+from .trouble import Trouble
 
 __all__ = ["CheckpointWriter", "SaveHandle", "lower_thread_priority"]
 
 logger = logging.getLogger(__name__)
-
-
-def lower_thread_priority(nice: int) -> bool:
-    """Set the calling thread's nice value to ``nice`` (Linux: threads have their own). Returns whether it
-    worked; raising the priority (lowering the value) needs privileges and is not attempted."""
-    if not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
-        return False
-    try:
-        tid = threading.get_native_id()
-        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-        return True
-    except OSError:
-        return False
-
-
-class SaveHandle:
-    """Progress of one :meth:`CheckpointWriter.save`.
-
-    The handle is *done* when this writer has finished with the step: its part is durable (or was given up),
-    and on the committer the commit record is written (or the commit was given up).
-    """
-
-    __slots__ = (
-        "step", "snapshot_s", "copied_bytes", "referenced_bytes", "persist_s", "persist_cpu_s", "bytes",
-        "commit_s", "error", "committed", "finished_at", "_event",
-    )
-
-    def __init__(self, step: int, snapshot_s: float, copied_bytes: int = 0, referenced_bytes: int = 0) -> None:
-        self.step: int = step
-        """Update number of the checkpoint."""
-        self.snapshot_s: float = snapshot_s
-        """Seconds :meth:`CheckpointWriter.save` blocked (the snapshot: the time training waited)."""
-        self.copied_bytes: int = copied_bytes
-        """Bytes of mutable tensors copied by the snapshot."""
-        self.referenced_bytes: int = referenced_bytes
-        """Bytes of immutable tensors referenced by the snapshot, not copied."""
-        self.persist_s: float | None = None
-        """Seconds from the persist thread taking the save to the part being durable (``None`` until then)."""
-        self.persist_cpu_s: float | None = None
-        """CPU seconds the persist thread spent on it (encoding, checksum, writing; not the waits)."""
-        self.bytes: int | None = None
-        """Size of the part file written."""
-        self.commit_s: float | None = None
-        """Committer only: seconds from the part being durable to the commit record being written."""
-        self.error: BaseException | None = None
-        """Why the part was not persisted or the step not committed; ``None`` on success."""
-        self.committed: bool | None = None
-        """Committer only: whether the step is committed; ``None`` on other writers."""
-        self.finished_at: float | None = None
-        """Wall-clock time (``time.time()``) the handle became done."""
-        self._event = threading.Event()
-
-    @property
-    def blocking_s(self) -> float:
-        """Same as :attr:`snapshot_s`."""
-        return self.snapshot_s
-
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until done or ``timeout`` seconds passed; return :meth:`done`. Errors are in :attr:`error`."""
-        return self._event.wait(timeout)
-
-    @property
-    def ok(self) -> bool:
-        """Done without error."""
-        return self.done() and self.error is None
-
-    def __repr__(self) -> str:
-        state = "pending" if not self.done() else ("ok" if self.error is None else f"error={self.error}")
-        return f"SaveHandle(step={self.step}, {state})"
 
 
 @dataclass(slots=True)
@@ -164,44 +95,21 @@ class _Job:
     handle: SaveHandle
     deadline: float
     generation: int = 0
+    data: Buffers | None = None
+    """The encoded part (``None`` until the first attempt)."""
+    meta: PartMeta | None = None
+    attempt_at: float = 0.0
+    """When the next attempt is due (``time.monotonic()``), after a failed one."""
+    delay: float = 0.0
+    """The wait before the attempt after next (doubled after each failure)."""
+    reason: Any = None
+    """Why the last attempt failed."""
+    t0: float = 0.0
+    cpu_s: float = 0.0
+    """CPU seconds the background thread spent on this job so far."""
 
 
-@dataclass(slots=True)
-class _Pending:
-    step: int
-    metadata: dict[str, Any]
-    handle: SaveHandle
-    deadline: float
-    durable_at: float
-    found: dict[str, PartMeta] = field(default_factory=dict)
-
-
-class _Trouble:
-    """Logs a run of failures once: a WARNING for the first, DEBUG for the rest, INFO when it ends."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.since: float | None = None
-        self.count = 0
-
-    def fail(self, message: str, *args: Any) -> None:
-        self.count += 1
-        if self.since is None:
-            self.since = time.monotonic()
-            logger.warning(
-                f"{self.what}: {message}; training goes on; further failures are logged at DEBUG until it works again",
-                *args,
-            )
-        else:
-            logger.debug(f"{self.what}: {message}", *args)
-
-    def ok(self, message: str) -> None:
-        if self.since is not None:
-            logger.info("%s: %s after %.1fs (%d failures)", self.what, message, time.monotonic() - self.since, self.count)
-        self.since, self.count = None, 0
-
-
-class CheckpointWriter:
+class CheckpointWriter(Committing, Client):
     """Writes this rank's part of each checkpoint in the background; on the committer, also commits.
 
     Args:
@@ -225,8 +133,13 @@ class CheckpointWriter:
         persist_nice: nice value for the persist thread (``None``, the default: the caller's). Measured on a
             shared 2-core machine, 19 starved the persist thread behind other processes (persist 4x slower,
             commits late, most checkpoints deferred) and risks the GIL being held by a descheduled thread; the
-            persist thread's CPU work is small anyway (O_DIRECT writes, crc32: ~0.3 s per GB).
+            persist thread's CPU work is small anyway (O_DIRECT writes, crc32: ~0.3 s per GB). Only for a
+            writer with a thread of its own (a shared ``background`` has its own ``nice``).
+        background: the thread serving this writer, shared with the process's other writers (see
+            :mod:`.background`; the caller closes it after the writers); ``None``: a thread of its own.
     """
+
+    priority = 1  # after the fast tiers' writers
 
     def __init__(
         self,
@@ -245,6 +158,7 @@ class CheckpointWriter:
         max_queued: int = 2,
         checksum: str = DEFAULT_ALGORITHM,
         persist_nice: int | None = None,
+        background: Background | None = None,
     ) -> None:
         if not isinstance(storage, Storage):
             raise TypeError(f"storage must be a Storage, got {type(storage).__name__}")
@@ -277,6 +191,11 @@ class CheckpointWriter:
         if persist_nice is not None and (isinstance(persist_nice, bool) or not isinstance(persist_nice, int)
                                          or not -20 <= persist_nice <= 19):
             raise ValueError(f"persist_nice must be None or an int in [-20, 19], got {persist_nice!r}")
+        if background is not None and not isinstance(background, Background):
+            raise TypeError(f"background must be a Background, got {type(background).__name__}")
+        if background is not None and persist_nice is not None:
+            raise ValueError(f"persist_nice={persist_nice!r} is for a writer's own thread; a shared background "
+                             f"({background.name!r}) has its own nice ({background.nice!r})")
 
         self.storage = storage
         self.part_name = part_name
@@ -294,9 +213,12 @@ class CheckpointWriter:
         self.persist_nice = persist_nice
 
         self._pool = SnapshotPool(max_arenas=max_queued + 1)
-        self._cond = threading.Condition()
+        self._own_background = background is None
+        self._background = background if background is not None else \
+            Background(f"checkpoint-writer-{part_name}", nice=persist_nice)
+        self._cond = self._background.cond
         self._queue: collections.deque[_Job] = collections.deque()
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, Pending] = {}
         self._outstanding = 0
         self._last_step: int | None = None
         self._last_committed: int | None = None
@@ -306,17 +228,20 @@ class CheckpointWriter:
         self._closing = False
         self._closed = False
         self._poll_delay = self.poll_interval_s
+        self._next_poll = 0.0
         self._generation = 0
+        self._current: _Job | None = None
+        """The job taken off the queue and not finished: being written, or waiting to be tried again."""
         self._writing: int | None = None
+        """The step of the job being written now (the thread is in storage)."""
         self.refused: CheckpointError | None = None
         """The last write that storage refused for good (full, read-only, over a size limit, forbidden), until a
         later part is written: see :attr:`StorageError.refused`."""
         self.stopped: BaseException | None = None
         """Why this writer commits nothing any more (``before_commit`` raised), or ``None``."""
-        self._write_trouble = _Trouble(f"checkpoint part {part_name}")
-        self._commit_trouble = _Trouble("checkpoint commit")
-        self._thread = threading.Thread(target=self._run, name=f"checkpoint-writer-{part_name}", daemon=True)
-        self._thread.start()
+        self._write_trouble = Trouble(f"checkpoint part {part_name}")
+        self._commit_trouble = Trouble("checkpoint commit")
+        self._background.attach(self)
 
     # ------------------------------------------------------------------------------ public API
 
@@ -413,14 +338,20 @@ class CheckpointWriter:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join(timeout=None if flushed else 5.0)
+        idle = self._background.detach(self, timeout=None if flushed else 5.0)
+        if self._own_background:
+            self._background.close(timeout=None if idle else 0.0)
         with self._cond:
             leftovers: list[Any] = list(self._queue) + list(self._pending.values())
+            if self._current is not None and idle:  # (one still being written is left to its write)
+                leftovers.append(self._current)
+                self._current = None
             self._queue.clear()
             self._pending.clear()
         for item in leftovers:
             if isinstance(item, _Job):
                 item.snapshot.release()
+                item.data = None
             self._finish(item.handle, CheckpointError(f"step {item.step} abandoned: writer closed"))
         self._closed = True
         return flushed
@@ -447,6 +378,9 @@ class CheckpointWriter:
             self._generation += 1
             dropped: list[Any] = [j for j in self._queue if j.step > step]
             self._queue = collections.deque(j for j in self._queue if j.step <= step)
+            if self._current is not None and self._current.step > step and self._writing is None:
+                dropped.append(self._current)  # waiting to be tried again: never will
+                self._current = None
             dropped += [self._pending.pop(s) for s in sorted(self._pending) if s > step]
             if self._last_step is not None and self._last_step > step:
                 self._last_step = step
@@ -460,55 +394,23 @@ class CheckpointWriter:
         for item in dropped:
             if isinstance(item, _Job):
                 item.snapshot.release()
+                item.data = None
             self._finish(item.handle, CheckpointError(f"step {item.step} abandoned: the state was rolled back "
                                                       f"to step {step}"))
         if not self.is_committer:
             return []
-        return self._retire_after(step)
-
-    def give_up(self, reason: str) -> list[int]:
-        """Committer: give up every commit waiting for parts now (a part is known never to come: its rank's
-        storage refused it) and remove those steps' directories; returns their steps."""
-        with self._cond:
-            doomed = [self._pending.pop(s) for s in sorted(self._pending)]
-        for p in doomed:
-            self._remove_uncommitted(p.step)
-            self._finish(p.handle, CheckpointError(f"step {p.step} not committed: {reason}"))
-        return [p.step for p in doomed]
-
-    def _remove_uncommitted(self, step: int) -> None:
-        """Remove the directory of a step given up (a resumed run must not find it half-written)."""
-        try:
-            if not self.storage.exists(commit_path(step)):
-                self.storage.delete(step_dir(step), recursive=True)
-        except Exception as exc:
-            logger.debug("checkpoint step %d: cannot remove its directory: %s", step, exc)
+        return retire_after(self.storage, step)
 
     def flush_parts(self, timeout: float | None = None) -> bool:
         """Wait until no save is queued or being written (commits may still wait for other ranks' parts)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._queue or self._writing is not None:
+            while self._queue or self._current is not None:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
                 self._cond.wait(remaining if remaining is not None else 0.5)
         return True
-
-    def _retire_after(self, step: int) -> list[int]:
-        storage = self.storage
-        later = sorted((s for s in (parse_step_dir(n) for n in storage.list("")) if s is not None and s > step),
-                       reverse=True)
-        retired = [s for s in later if storage.exists(commit_path(s))]
-        for s in retired:  # newest first: what is left committed is always a prefix of the old history
-            storage.delete(commit_path(s))
-        for s in later:
-            storage.delete(step_dir(s), recursive=True)
-        if retired:
-            logger.warning("checkpoint steps %s retired: committed by a history that was rolled back to step %d "
-                           "(they are written anew as training reaches them again)",
-                           ", ".join(map(str, sorted(retired))), step)
-        return sorted(retired)
 
     def __enter__(self) -> CheckpointWriter:
         return self
@@ -537,118 +439,150 @@ class CheckpointWriter:
             self._outstanding -= 1
             self._cond.notify_all()
 
-    def _run(self) -> None:
-        if self.persist_nice is not None:
-            lower_thread_priority(self.persist_nice)
-        while True:
-            with self._cond:
-                if not self._queue and not self._closing:
-                    self._cond.wait(self._poll_delay if self._pending else None)
-                if self._closing:
+    # The background thread serves this writer one unit at a time (see :mod:`.background`): the first attempt
+    # of the next queued save (encode it, write it), another attempt of a failed one once its delay passed (or
+    # giving it up once a newer save is queued), or (committer) one polling round over the commits waiting for
+    # parts. Nothing here sleeps: the thread serves the process's other writers meanwhile.
+
+    def due(self, now: float) -> float | None:
+        if self._closing:
+            return None
+        current = self._current
+        if current is not None:
+            if self._queue or current.generation != self._generation:
+                return now  # superseded (a newer save, a roll-back): give it up now
+            due = current.attempt_at
+        else:
+            due = now if self._queue else None
+        if self._pending and (due is None or self._next_poll < due):
+            due = self._next_poll
+        return due
+
+    def serve(self, now: float) -> None:
+        with self._cond:
+            job, taken = self._current, False
+            if job is not None and job.attempt_at > now and not self._queue \
+                    and job.generation == self._generation:
+                job = None  # its next attempt is not due yet
+            elif job is None and self._queue:
+                job, taken = self._queue.popleft(), True
+                self._cond.notify_all()  # a save waiting for queue space may go on
+                if job.generation != self._generation:  # rolled back past it while it was queued
+                    job.snapshot.release()
+                    self._finish(job.handle, CheckpointError(f"step {job.step} abandoned: the state was rolled back"))
+                    self._after_job()
                     return
-                job = self._queue.popleft() if self._queue else None
-                if job is not None:
-                    self._cond.notify_all()  # a save waiting for queue space may go on
+                self._current = job
+            if job is not None:
+                self._writing = job.step
+        if job is not None:
             try:
-                if job is not None:
-                    self._persist(job)
-                    self._poll_delay = self.poll_interval_s
-                if self._pending:
-                    self._poll_commits()
-            except Exception:  # never let the thread die; the handles carry the errors
-                logger.exception("checkpoint part %s: unexpected error in the writer thread", self.part_name)
-
-    def _wait_or_superseded(self, delay: float, deadline: float, generation: int) -> bool:
-        """Sleep ``delay`` (capped at the deadline); return True if a newer save arrived, the state was rolled
-        back, or the writer closes."""
-        with self._cond:
-            if self._queue or self._closing or generation != self._generation:
-                return True
-            self._cond.wait(max(0.0, min(delay, deadline - time.monotonic())))
-            return bool(self._queue) or self._closing or generation != self._generation
-
-    def _persist(self, job: _Job) -> None:
-        with self._cond:
-            if job.generation != self._generation:  # rolled back past it while it was being taken off the queue
-                job.snapshot.release()
-                self._finish(job.handle, CheckpointError(f"step {job.step} abandoned: the state was rolled back"))
-                return
-            self._writing = job.step
-        try:
-            self._persist_job(job)
-        finally:
-            with self._cond:
-                self._writing = None
-                self._cond.notify_all()
-
-    def _persist_job(self, job: _Job) -> None:
-        step, handle = job.step, job.handle
-        t0, c0 = time.perf_counter(), time.thread_time()
-        try:
-            data, digest = job.snapshot.encoded(self.checksum)
-            meta = PartMeta(name=self.part_name, step=step, checksum=digest, size=len(data))
-        except Exception as exc:
-            job.snapshot.release()
-            logger.warning("checkpoint part %s step %d: cannot serialize: %s", self.part_name, step, exc)
-            self._finish(handle, CheckpointError(f"step {step}: cannot serialize part: {exc}"))
+                self._write(job, taken)
+            finally:
+                with self._cond:
+                    self._writing = None
+                    self._cond.notify_all()
             return
-        try:
-            self._write_part(job, data, meta, t0, c0)
-        finally:
-            job.snapshot.release()
-            del data
+        if self._pending and self._next_poll <= now:
+            self._poll_commits()
+            self._next_poll = time.monotonic() + self._poll_delay
 
-    def _write_part(self, job: _Job, data: Buffers, meta: PartMeta, t0: float, c0: float) -> None:
-        step, handle, storage = job.step, job.handle, self.storage
-        delay = self.poll_interval_s
-        while True:
+    def _after_job(self) -> None:
+        """A job is finished with (durable, failed or given up): poll for commits at once, then at the first
+        interval again."""
+        self._poll_delay = self.poll_interval_s
+        self._next_poll = 0.0
+
+    def _done(self, job: _Job, error: BaseException | None = None, *, finish: bool = True,
+              pending: Pending | None = None) -> None:
+        """This writer is finished with ``job``'s write: release its snapshot, then (``finish``) its handle."""
+        with self._cond:
+            if self._current is job:
+                self._current = None
+            if pending is not None:
+                self._pending[job.step] = pending
+            self._after_job()
+        job.data = None
+        job.snapshot.release()
+        if finish:
+            self._finish(job.handle, error)
+
+    def _write(self, job: _Job, first: bool) -> None:
+        """One attempt at ``job``'s part (the first: encode it first), or give it up if it was superseded."""
+        step = job.step
+        c0 = time.thread_time()
+        if first:
+            job.t0, job.delay = time.perf_counter(), self.poll_interval_s
             try:
-                if storage.exists(commit_path(step)):
-                    # Not after a roll-back (rewind() retired later commits): an earlier attempt of this same
-                    # history committed it; its parts are the ones the commit record describes, so leave them and
-                    # count the step as done (the durable position advances; later cuts are not deferred)
-                    logger.info("checkpoint step %d is already committed; not rewriting part %s", step, self.part_name)
-                    handle.persist_s, handle.persist_cpu_s = time.perf_counter() - t0, time.thread_time() - c0
-                    self._last_durable = step
-                    if self.is_committer:
-                        handle.committed = True
-                        self._last_committed = step
-                    self._progress_at = time.monotonic()
-                    self._finish(handle)
-                    return
-                storage.delete(part_meta_path(step, self.part_name))
-                storage.write_bytes(part_data_path(step, self.part_name), data)
-                storage.write_bytes_unsynced(part_meta_path(step, self.part_name), meta.to_json())
-                break
+                data, digest = job.snapshot.encoded(self.checksum)
+                job.data, job.meta = data, PartMeta(name=self.part_name, step=step, checksum=digest, size=len(data))
             except Exception as exc:
-                now = time.monotonic()
-                reason = exc if isinstance(exc, CheckpointError) else storage.describe_error(exc)
-                if isinstance(exc, StorageError) and exc.refused:
-                    self._refused(job, exc)
-                    return
-                if now >= job.deadline:
-                    self._write_trouble.fail(
-                        "step %d: write failed, giving up after %.1fs (%s): %s",
-                        step, self.commit_timeout_s, self._since_progress(), reason,
-                    )
-                    self._finish(handle, CheckpointError(f"step {step}: part {self.part_name!r} not written: {reason}"))
-                    return
+                logger.warning("checkpoint part %s step %d: cannot serialize: %s", self.part_name, step, exc)
+                self._done(job, CheckpointError(f"step {step}: cannot serialize part: {exc}"))
+                return
+        else:
+            with self._cond:
+                superseded = bool(self._queue) or self._closing or job.generation != self._generation
+            if superseded:
+                logger.debug("checkpoint part %s step %d: giving up, a newer save is queued", self.part_name, step)
+                self._done(job, CheckpointError(f"step {step}: part {self.part_name!r} not written: {job.reason}"))
+                return
+        try:
+            self._attempt(job, c0)
+        finally:
+            job.cpu_s += time.thread_time() - c0
+
+    def _attempt(self, job: _Job, c0: float) -> None:
+        step, handle, storage = job.step, job.handle, self.storage
+        data, meta = job.data, job.meta
+        assert data is not None and meta is not None
+        try:
+            if storage.exists(commit_path(step)):
+                # Not after a roll-back (rewind() retired later commits): an earlier attempt of this same
+                # history committed it; its parts are the ones the commit record describes, so leave them and
+                # count the step as done (the durable position advances; later cuts are not deferred)
+                logger.info("checkpoint step %d is already committed; not rewriting part %s", step, self.part_name)
+                handle.persist_s = time.perf_counter() - job.t0
+                handle.persist_cpu_s = job.cpu_s + time.thread_time() - c0
+                self._last_durable = step
+                if self.is_committer:
+                    handle.committed = True
+                    self._last_committed = step
+                self._progress_at = time.monotonic()
+                self._done(job)
+                return
+            storage.delete(part_meta_path(step, self.part_name))
+            storage.write_bytes(part_data_path(step, self.part_name), data)
+            storage.write_bytes_unsynced(part_meta_path(step, self.part_name), meta.to_json())
+        except Exception as exc:
+            now = time.monotonic()
+            reason = exc if isinstance(exc, CheckpointError) else storage.describe_error(exc)
+            if isinstance(exc, StorageError) and exc.refused:
+                self._refused(job, exc)
+                return
+            if now >= job.deadline:
                 self._write_trouble.fail(
-                    "step %d: write failed (%s), retrying until the step's deadline (%s)",
-                    step, reason, self._since_progress(),
+                    "step %d: write failed, giving up after %.1fs (%s): %s",
+                    step, self.commit_timeout_s, self._since_progress(), reason,
                 )
-                if self._wait_or_superseded(delay, job.deadline, job.generation):
-                    logger.debug("checkpoint part %s step %d: giving up, a newer save is queued", self.part_name, step)
-                    self._finish(handle, CheckpointError(f"step {step}: part {self.part_name!r} not written: {reason}"))
-                    return
-                delay = min(delay * 2, self.max_poll_interval_s)
+                self._done(job, CheckpointError(f"step {step}: part {self.part_name!r} not written: {reason}"))
+                return
+            self._write_trouble.fail(
+                "step %d: write failed (%s), retrying until the step's deadline (%s)",
+                step, reason, self._since_progress(),
+            )
+            with self._cond:  # tried again once the delay passed (capped at the deadline), unless superseded
+                job.reason = reason
+                job.attempt_at = now + max(0.0, min(job.delay, job.deadline - now))
+                job.delay = min(job.delay * 2, self.max_poll_interval_s)
+            return
         self._write_trouble.ok("writes succeed again")
         self.refused = None
         if job.generation != self._generation:  # rolled back while it was being written: never durable
-            self._finish(handle, CheckpointError(f"step {step} abandoned: the state was rolled back"))
+            self._done(job, CheckpointError(f"step {step} abandoned: the state was rolled back"))
             return
-        handle.persist_s = time.perf_counter() - t0
-        handle.persist_cpu_s = time.thread_time() - c0
+        handle.persist_s = time.perf_counter() - job.t0
+        handle.persist_cpu_s = job.cpu_s + time.thread_time() - c0
         handle.bytes = meta.size
         self._last_durable = step
         if not self.is_committer:
@@ -657,14 +591,13 @@ class CheckpointWriter:
             "checkpoint part %s step %d durable (%d bytes, %.3fs)", self.part_name, step, meta.size, handle.persist_s
         )
         if not self.is_committer:
-            self._finish(handle)
+            self._done(job)
             return
-        pending = _Pending(
+        pending = Pending(
             step=step, metadata=job.metadata, handle=handle, deadline=job.deadline, durable_at=time.perf_counter()
         )
         pending.found[self.part_name] = meta
-        with self._cond:
-            self._pending[step] = pending
+        self._done(job, finish=False, pending=pending)
 
     def _refused(self, job: _Job, exc: StorageError) -> None:
         """Storage refuses this part for good (full, read-only, over a file-size limit, forbidden): give the step
@@ -682,114 +615,4 @@ class CheckpointWriter:
                     self.storage.delete(path, recursive=path == step_dir(step))
             except Exception as cleanup:  # a read-only file system refuses that too: nothing half-written, then
                 logger.debug("checkpoint step %d: cannot remove %s: %s", step, path, cleanup)
-        self._finish(job.handle, self.refused)
-
-    def _part_complete(self, meta: PartMeta) -> bool:
-        """Whether the part file described by ``meta`` is there with the recorded size."""
-        return self.storage.size(part_data_path(meta.step, meta.name)) == meta.size
-
-    def _poll_commits(self) -> None:
-        """One polling round over the pending steps, oldest first; commit the first complete one. Committing in
-        order keeps every checkpoint that became complete (a fallback if a newer one turns out damaged); a step
-        still incomplete when a newer one commits is given up."""
-        storage = self.storage
-        for step in sorted(self._pending):
-            p = self._pending[step]
-            missing: list[str] = []
-            try:
-                for name in self.expected_parts:
-                    if name in p.found:
-                        continue
-                    try:
-                        got = PartMeta.from_json(storage.read_bytes(part_meta_path(step, name)))
-                    except (FileNotFoundError, CorruptCheckpointError):
-                        continue
-                    if got.name == name and got.step == step:
-                        p.found[name] = got
-                missing = [n for n in self.expected_parts if n not in p.found]
-                if not missing:
-                    vanished = [n for n in self.expected_parts if not self._part_complete(p.found[n])]
-                    for n in vanished:  # deleted or truncated between its write and now: never commit it
-                        del p.found[n]
-                    missing = vanished
-                if not missing and self.stopped is None and self.before_commit is not None:
-                    try:
-                        self.before_commit(step)
-                    except Exception as exc:
-                        self.stopped = exc
-                        logger.error("checkpoint step %d: not committed, and no later step will be: %s", step, exc)
-                if self.stopped is not None:
-                    with self._cond:
-                        stopped = [self._pending.pop(s) for s in list(self._pending)]
-                    for q in stopped:
-                        self._finish(q.handle, CheckpointError(f"step {q.step} not committed: {self.stopped}"))
-                    return
-                if not missing:
-                    record = CommitRecord(
-                        step=step,
-                        parts={n: p.found[n] for n in self.expected_parts},
-                        wall_time=time.time(),
-                        metadata=p.metadata,
-                    )
-                    storage.write_bytes(commit_path(step), record.to_json())
-                    self._committed(p)
-                    return
-            except Exception as exc:
-                reason = exc if isinstance(exc, CheckpointError) else storage.describe_error(exc)
-                self._commit_trouble.fail("step %d: cannot check or commit (%s; %s); will retry",
-                                          step, reason, self._since_progress())
-                missing = [n for n in self.expected_parts if n not in p.found]
-            if time.monotonic() >= p.deadline:
-                self._commit_trouble.fail(
-                    "step %d: not committed, giving up after %.1fs, parts missing or incomplete: %s (%s)",
-                    step, self.commit_timeout_s, ", ".join(missing), self._since_progress(),
-                )
-                with self._cond:
-                    self._pending.pop(step, None)
-                self._remove_uncommitted(step)
-                self._finish(p.handle, CheckpointError(f"step {step} not committed: parts missing: {missing}"))
-        self._poll_delay = min(self._poll_delay * 2, self.max_poll_interval_s)
-
-    def _committed(self, p: _Pending) -> None:
-        step = p.step
-        p.handle.commit_s = time.perf_counter() - p.durable_at
-        p.handle.committed = True
-        self._last_committed = step
-        self._progress_at = time.monotonic()
-        self._commit_trouble.ok(f"step {step} committed")
-        logger.info("checkpoint step %d committed (%d parts)", step, len(self.expected_parts))
-        with self._cond:
-            older = [s for s in self._pending if s <= step]
-            superseded = [self._pending.pop(s) for s in older]
-        for q in superseded:
-            if q is not p:
-                logger.warning("checkpoint step %d: not committed, superseded by step %d", q.step, step)
-                self._finish(q.handle, CheckpointError(f"step {q.step} not committed: superseded by step {step}"))
-        try:
-            self._collect_garbage(step)
-        except Exception as exc:
-            logger.warning("checkpoint garbage collection failed: %s", self.storage.describe_error(exc))
-        if self.on_commit is not None:
-            try:
-                self.on_commit(step)
-            except Exception:
-                logger.exception("checkpoint on_commit callback failed for step %d", step)
-        self._finish(p.handle)
-
-    def _collect_garbage(self, newest_commit: int) -> None:
-        storage = self.storage
-        steps = sorted(s for s in (parse_step_dir(n) for n in storage.list("")) if s is not None)
-        committed = [s for s in steps if s <= newest_commit and storage.exists(commit_path(s))]
-        doomed_committed = committed[: max(0, len(committed) - self.keep)]
-        committed_set = set(committed)
-        for s in doomed_committed:
-            # Remove the commit record first: a crash midway leaves an uncommitted directory, never a torn commit.
-            storage.delete(commit_path(s))
-            storage.delete(step_dir(s), recursive=True)
-            logger.debug("checkpoint step %d removed (keep=%d)", s, self.keep)
-        with self._cond:
-            pending = set(self._pending)
-        for s in steps:
-            if s < newest_commit and s not in committed_set and s not in pending:
-                storage.delete(step_dir(s), recursive=True)
-                logger.debug("uncommitted checkpoint step %d removed", s)
+        self._done(job, self.refused)

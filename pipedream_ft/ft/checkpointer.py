@@ -17,7 +17,10 @@ uninterrupted run computed.
 **Tiers.** Two tiers, each with its own policy: the *memory* tier (every rank's part in its node's shared
 memory, which outlives the process: cheap, taken often; what in-place recovery restores) and the *durable*
 tier (fsspec: local disk, S3; less often). A cut is marked for the memory tier, or for both. Each rank's part is
-persisted in the background; in the durable tier rank 0 writes the commit record once every part is durable.
+persisted in the background, by two threads per process whatever its number of stages (each a
+:class:`~pipedream_ft.checkpoint.background.Background` serving every part: one the memory tier's writers, one the
+durable tier's, so that a slow store never holds back the cuts in-place recovery restores); in the durable tier
+rank 0 writes the commit record once every part is durable.
 On start (and in every in-place recovery) the ranks agree on the newest cut that *every* rank can restore from
 some tier, load it (its checksum verified), and fall back to older cuts if a part does not verify.
 
@@ -47,6 +50,7 @@ from profiler.profile import Profile
 
 from ..checkpoint import (CheckpointError, CheckpointWriter, CorruptCheckpointError, Storage, list_committed,
                           load_part, read_commit)
+from ..checkpoint.background import Background
 from ..checkpoint.owner import Owner, OwnershipError
 from ..checkpoint.peer import PeerServer, PeerTier, peer_token
 from ..checkpoint.shm import MemoryTier, UntrustedTierError
@@ -280,6 +284,9 @@ class Checkpointer:
                          "stages": [[list(s.layers), s.replicas] for s in plan.stages]}
         self.storage: Storage | None = None
         self.owner: Owner | None = None
+        self.backgrounds: dict[str, Background] = {}
+        """The process's background writer threads by tier (``"durable"``, ``"memory"``), each serving that tier's
+        writers of every part; started for a tier's first writer."""
         self._profile = profile
         if config.url is not None:
             self.storage = Storage(config.url, config.storage_options,
@@ -296,7 +303,7 @@ class Checkpointer:
                                                is_committer=self.rank == 0 and k == 0, keep=config.keep,
                                                commit_timeout_s=config.commit_timeout_s, metadata=self.metadata,
                                                before_commit=self.owner.check if self.owner is not None and k == 0
-                                               else None)
+                                               else None, background=self._background("durable"))
         self.memory_tier: MemoryTier | None = None
         self.buddy: _BuddyTier | None = None
         self.peer_server: PeerServer | None = None
@@ -327,7 +334,7 @@ class Checkpointer:
                 tiers.append(self.buddy)
             # the writers keep everything: :meth:`_collect_memory` deletes what every rank has a newer cut of
             for part in self.parts:
-                part.memory = TierWriter(tiers, part.name, keep=1 << 30)
+                part.memory = TierWriter(tiers, part.name, keep=1 << 30, background=self._background("memory"))
         self._memory_saves: list[tuple[int, list[Any]]] = []
         """Each memory-tier cut not yet stored, with its parts' saves."""
         self._cut_memory: dict[int, list[Any]] = {}
@@ -358,6 +365,12 @@ class Checkpointer:
         self._started = time.time()
         self.unfinished: str | None = None
         """After :meth:`finish`: why the last durable cut is not committed (``None`` if it is, or none was due)."""
+
+    def _background(self, tier: str) -> Background:
+        """The background writer thread of ``tier``, started for its first writer."""
+        if tier not in self.backgrounds:
+            self.backgrounds[tier] = Background("checkpoint-writer" if tier == "durable" else "checkpoint-tiers")
+        return self.backgrounds[tier]
 
     @property
     def group(self) -> CommGroup:
@@ -914,6 +927,8 @@ class Checkpointer:
             for writer in (part.memory, part.writer):
                 if writer is not None:
                     writer.close(timeout=self.config.commit_timeout_s)
+        for background in self.backgrounds.values():
+            background.close(timeout=5.0)
         if self.peer_server is not None:
             self.peer_server.close()
         self.stand_down()
