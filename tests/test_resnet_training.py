@@ -65,19 +65,22 @@ def _pipeline_case(plan_json: dict[str, Any], steps: int = STEPS, window: int = 
     return {"state": state, "losses": result.losses}
 
 
-def _plain(steps: int = STEPS, window: int = WINDOW) -> tuple[dict[str, torch.Tensor], list[float]]:
+def _plain(steps: int = STEPS, window: int = WINDOW, reverse: bool = False
+           ) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The plain model with gradient accumulation over each window; ``reverse``: each window's gradients summed in
+    the reverse order (the same sum, rounded otherwise)."""
     model = _model()
     model.train()
     opt = _sgd(list(model.parameters()))
     losses = []
-    for b in range(steps):
-        x, y = _data(b)
-        loss = nn.functional.cross_entropy(model(x), y)
-        losses.append(float(loss.detach()))
-        (loss / window).backward()
-        if (b + 1) % window == 0:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    for w in range(steps // window):
+        window_losses = [nn.functional.cross_entropy(model(x), y)
+                         for x, y in (_data(b) for b in range(w * window, (w + 1) * window))]
+        losses += [float(loss.detach()) for loss in window_losses]
+        for loss in reversed(window_losses) if reverse else window_losses:
+            (loss / window).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
@@ -105,10 +108,16 @@ def test_the_partitioners_own_plan_trains_like_the_plain_model() -> None:
     window = _window(plan_json)
     got = run_world(_pipeline_case, 4, plan_json, 2 * window, window, timeout=240)[0][1]
     want, losses = _plain(2 * window, window)
-    assert got["losses"] == pytest.approx(losses, abs=1e-5)
     # Replicas all-reduce their gradients: the same four gradients summed in another order than the plain loop's
     # accumulation. With batch-4 BatchNorm that rounding moves the weights by up to ~1e-4 after two momentum
-    # steps (the plain loop summing its own four gradients in reverse order differs from itself by 9e-5).
+    # steps (the plain loop summing its own four gradients in reverse order differs from itself by 9e-5), and the
+    # losses after the first update by as much as another order moves the plain loop's own (6e-6 reversed; the
+    # plan, measured on a loaded machine, is not always the same: a CI run beside a CPU hog measured 1.24e-5).
+    # Before the first update every loss is computed from the same weights.
+    assert got["losses"][:window] == pytest.approx(losses[:window], abs=1e-5)
+    _, reordered = _plain(2 * window, window, reverse=True)
+    rounding = max(abs(a - b) for a, b in zip(losses, reordered))
+    assert got["losses"][window:] == pytest.approx(losses[window:], abs=max(1e-5, 4 * rounding))
     # BatchNorm running statistics are per replica (as in DDP), so only parameters are compared.
     for k, p in _model().named_parameters():
         torch.testing.assert_close(got["state"][k], want[k], rtol=0, atol=3e-4, msg=k)
