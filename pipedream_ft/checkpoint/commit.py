@@ -10,6 +10,7 @@ collected (:mod:`.collect`). A step not complete by its deadline is given up and
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ class Pending:
     found: dict[str, PartMeta] = field(default_factory=dict)
 
 
-class Committing:
+class Committing(ABC):
     """The commit protocol, as a part of :class:`~.writer.CheckpointWriter` (which defines the attributes
     below and calls :meth:`_poll_commits` from its background unit of work)."""
 
@@ -58,11 +59,13 @@ class Committing:
     _progress_at: float
     _commit_trouble: Trouble
 
+    @abstractmethod
     def _finish(self, handle: SaveHandle, error: BaseException | None = None) -> None:
-        raise NotImplementedError(f"{type(self).__name__} must finish handles (step {handle.step})")
+        """Mark ``handle`` done (with ``error``, if it failed)."""
 
+    @abstractmethod
     def _since_progress(self) -> str:
-        raise NotImplementedError(f"{type(self).__name__} must say how long since its last progress")
+        """How long since the writer last made progress, as words for a message."""
 
     def give_up(self, reason: str) -> list[int]:
         """Committer: give up every commit waiting for parts now (a part is known never to come: its rank's
