@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -48,6 +49,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def require_setup() -> None:
+    """One line and exit status 2 when this Python lacks PyTorch or pipedream-ft, before any step starts."""
+    missing = []
+    try:
+        import torch  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "torch":
+            raise
+        missing.append("PyTorch")
+    if importlib.util.find_spec("pipedream_ft_examples") is None:
+        missing.append("pipedream-ft")
+    if missing:
+        print(f"demo: error: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed for {sys.executable}; set up first, from "
+              f"{ROOT}: pip install torch==2.13.0 && pip install -e \".[test]\" (the README's first command)",
+              file=sys.stderr)
+        raise SystemExit(2)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/demo", help="output directory (default runs/demo; emptied first)")
@@ -55,6 +74,7 @@ def main() -> int:
     ap.add_argument("--kill-at", type=int, default=130, help="minibatch at which rank 2 is killed (default 130)")
     ap.add_argument("--ckpt-every", type=int, default=25, help="minibatches between checkpoints (default 25)")
     args = ap.parse_args()
+    require_setup()
     out = (ROOT / args.out).resolve()
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

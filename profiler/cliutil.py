@@ -11,7 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, NoReturn
 
-__all__ = ["CliError", "OneLineParser", "one_line", "number", "check_writable", "write_atomic", "run_cli"]
+__all__ = ["CliError", "OneLineParser", "one_line", "number", "check_writable", "write_atomic", "run_cli",
+           "missing_torch"]
 
 
 class CliError(Exception):
@@ -76,12 +77,27 @@ def write_atomic(path: Path, data: str | bytes) -> None:
         raise CliError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
 
 
+def missing_torch(exc: BaseException) -> str | None:
+    """The one line to print when ``exc`` says this Python has no PyTorch; None for any other error."""
+    if not isinstance(exc, ModuleNotFoundError) or (exc.name or "").split(".")[0] != "torch":
+        return None
+    return (f"PyTorch is not installed for {sys.executable} (needed: {exc.name}); "
+            "install it first: pip install torch==2.13.0 (the README's set-up)")
+
+
 def run_cli(prog: str, run: Callable[[list[str] | None], int], argv: list[str] | None) -> int:
-    """Run ``run(argv)``; a :class:`CliError` becomes ``prog: error: ...`` on stderr and status 2."""
+    """Run ``run(argv)``; a :class:`CliError`, or PyTorch missing from this Python, becomes ``prog: error: ...`` on
+    stderr and status 2."""
     try:
         return run(argv)
     except CliError as exc:
         print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        line = missing_torch(exc)
+        if line is None:
+            raise
+        print(f"{prog}: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{prog}: error: interrupted", file=sys.stderr)
