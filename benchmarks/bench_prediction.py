@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from spawned import run_world  # noqa: E402
 
-__all__ = ["Case", "CASES", "make_case", "profile_case", "run_plan", "probe_machine", "main"]
+__all__ = ["Case", "CASES", "make_case", "profile_case", "run_plan", "run_plans", "probe_machine", "main"]
 
 TARGET = 0.10
 
@@ -105,7 +105,12 @@ def profile_case(name: str) -> Any:
 # -- ranks ----------------------------------------------------------------------------------------------------
 
 
-def _rank_main(case: Case, plan_json: dict[str, Any]) -> dict[str, Any]:
+def _rank_main(runs: list[tuple[Case, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Every ``(case, plan)`` of ``runs`` trained in turn by this rank, each by a trainer of its own."""
+    return [_train_one(case, plan_json) for case, plan_json in runs]
+
+
+def _train_one(case: Case, plan_json: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from partitioner.plan import Plan
@@ -143,7 +148,21 @@ def _rank_main(case: Case, plan_json: dict[str, Any]) -> dict[str, Any]:
 def run_plan(case: Case, plan: Any) -> dict[str, Any]:
     """Train ``plan`` on its ranks; steady-state seconds per minibatch (their mean, ``steady_s``, and the median of
     the minibatches, ``median_s``) and per-rank figures."""
-    res = run_world(_rank_main, (case, plan.to_json()), plan.world_size, case.timeout_s + 120, "the world")
+    return run_plans([(case, plan)])[0]
+
+
+def run_plans(runs: list[tuple[Case, Any]]) -> list[dict[str, Any]]:
+    """:func:`run_plan` of each ``(case, plan)``, one after another in one world of spawned ranks (the plans have
+    the same number of ranks): one start-up of the processes for all of them."""
+    worlds = {plan.world_size for _, plan in runs}
+    if len(worlds) != 1:
+        raise ValueError(f"run_plans needs plans of one world size, got {sorted(worlds)}")
+    res = run_world(_rank_main, ([(case, plan.to_json()) for case, plan in runs],), worlds.pop(),
+                    sum(case.timeout_s for case, _ in runs) + 120, "the world")
+    return [_steady(plan, [r[i] for r in res]) for i, (_, plan) in enumerate(runs)]
+
+
+def _steady(plan: Any, res: list[dict[str, Any]]) -> dict[str, Any]:
     stamps = sorted(t for r in res if r["last"] for t in r["stamps"])
     n = len(stamps)
     unit = plan.stages[-1].replicas  # the last stage's replicas stamp in bursts: measure whole bursts

@@ -36,7 +36,7 @@ def _sleep_profile(fwd: float, bwd: float) -> Profile:
 
 
 def test_sleep_predictions_rank_and_their_gap_holds():
-    from bench_prediction import CASES, run_plan
+    from bench_prediction import CASES, run_plans
 
     # sleeps long against the runtime's own per-minibatch work, which a loaded machine stretches
     fast, slow = _sleep_profile(10.0, 20.0), _sleep_profile(30.0, 60.0)
@@ -48,9 +48,10 @@ def test_sleep_predictions_rank_and_their_gap_holds():
     # each run twice, alternating, and the faster of each kept: a burst of load from elsewhere on the machine
     # (another test's processes starting) lands on one run, not on both; and within a run the median minibatch,
     # which a burst of load on some minibatches does not move (a CI run beside a CPU hog measured a mean of 60 ms
-    # for 31 predicted in the fast case, and only 43 ms between the cases for 60)
-    runs = [[run_plan(c, p)["median_s"] for c, p in zip(cases, plans)] for _ in range(2)]
-    measured = [min(r[i] for r in runs) for i in range(2)]
+    # for 31 predicted in the fast case, and only 43 ms between the cases for 60). The four runs share one world
+    # of processes, started once.
+    runs = run_plans([(c, p) for _ in range(2) for c, p in zip(cases, plans)])
+    measured = [min(r["median_s"] for r in runs[i::2]) for i in range(2)]
     assert measured[1] > measured[0]
     # what the plans predict apart (the stages' compute) is what the runs take apart; a loaded machine stretches
     # the runtime's own cost per minibatch (MACHINE's 0.6 ms, measured idle) by the same in both runs, which a
