@@ -433,7 +433,7 @@ class PipelineTrainer:
                             handoff=self.handoff if several else None)
         executor.rank = env.rank
         executor_box.append(executor)
-        record = TrainRecord(lambda: executor.losses)
+        record = TrainRecord(executor.losses.pairs)
         state.components["record"] = record  # a restored part brings its call's loss history back
         return _Stage(topo, state, stepper, executor, connection, data_state, meter, record, scaler,
                       scheduler.scheduler if scheduler is not None else None, own)
@@ -528,7 +528,8 @@ class PipelineTrainer:
         """A peer failed: recover in place (see :mod:`pipedream_ft.ft.inplace`), then count the work redone."""
         assert self.inplace is not None
         last = self.stages[-1].executor
-        reached = max([b for b, _ in last.losses], default=self.position)
+        newest = last.losses.last_minibatch()
+        reached = self.position if newest is None else newest
         formed, _ = self.inplace.recover(self._side, failure)
         if self.is_last:
             self.redone = max(0, reached + 1 - formed.cut)
@@ -545,8 +546,7 @@ class PipelineTrainer:
         return self.inplace.records if self.inplace is not None else []
 
     def _last_loss(self) -> float | None:
-        losses = self.stages[-1].executor.losses
-        return losses[-1][1] if self.is_last and losses else None
+        return self.stages[-1].executor.losses.latest() if self.is_last else None
 
     def _metrics_extra(self) -> dict[str, Any]:
         out: dict[str, Any] = {"restarts": self.env.restart_count, "redone": self.redone,
@@ -676,7 +676,8 @@ class PipelineTrainer:
         began = self.position
         start = began
         for k, st in enumerate(self.stages):
-            first, st.executor.losses = st.record.begin(began, stop)
+            first, pairs = st.record.begin(began, stop)
+            st.executor.losses.reset(pairs)
             if k == 0:
                 start = first
         if steps:
@@ -841,7 +842,7 @@ class PipelineTrainer:
         dies while the others wait here (they finished their last minibatch, it had not) is recovered like one
         that dies while they train, instead of failing the processes that were done."""
         try:
-            mine = self.stages[-1].executor.losses if self.is_last else []
+            mine = self.stages[-1].executor.losses.pairs() if self.is_last else []
             merged = sorted(x for part in self.connection.group.all_gather_object(mine) if part for x in part)
             return None, [loss for _, loss in merged]
         except PeerTimeoutError as exc:

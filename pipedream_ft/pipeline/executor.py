@@ -43,6 +43,7 @@ from .crossing import Structure, outgoing
 from .data import bind_inputs
 from .group import CommGroup
 from .hooks import Hooks
+from .losses import LossLog, cuda_marker
 from . import optimstep
 from .modes import Mode
 from .reparam import Reparametrized
@@ -162,7 +163,7 @@ class Executor:
         self.seed = seed
         self.hooks = hooks
         self.stats = RankStats()
-        self.losses: list[tuple[int, float]] = []
+        self.losses = LossLog(marker=cuda_marker if device.type == "cuda" else None)
         """``(minibatch, loss)`` of every minibatch this rank (the last stage) computed in the current run."""
         self.decide = decide
         """Stage 0: the cut flags for minibatch ``b`` (0: no cut after it)."""
@@ -420,7 +421,7 @@ class Executor:
             targets = self._to_device(data.targets(b))
             with self.autocast():
                 loss = self.loss_fn(out, targets)
-            self.losses.append((b, float(loss.detach())))
+            self.losses.add(b, loss)
             scale = self.mode.loss_scale() * self.loss_factor()
             if scale != 1.0:
                 loss = loss * scale
@@ -620,7 +621,7 @@ class Executor:
 
     def gather_losses(self) -> list[float]:
         """Every minibatch's loss of the current run, in minibatch order, on every rank. A collective."""
-        gathered = self.group.all_gather_object(self.losses if self.topo.is_last else [])
+        gathered = self.group.all_gather_object(self.losses.pairs() if self.topo.is_last else [])
         merged = sorted(x for part in gathered if part for x in part)
         return [loss for _, loss in merged]
 
@@ -640,5 +641,5 @@ class Executor:
 
     def rewind(self, position: int) -> None:
         """Training goes on from ``position``: forget the losses of the minibatches that will be computed again."""
-        self.losses = [(b, loss) for b, loss in self.losses if b < position]
+        self.losses.keep_before(position)
 
