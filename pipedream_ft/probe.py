@@ -25,7 +25,10 @@ What it measures (medians of repeated runs, everything in the same run):
 * **the runtime's fixed cost per minibatch per stage**: a ``WORLD_SIZE``-stage pipeline of layers that
   compute nothing (``x · w`` on ``(8, 64)`` tensors) trains through :class:`~pipedream_ft.PipelineTrainer`;
   each stage's CPU seconds per minibatch are its fixed cost (``stage_overhead_s``), the median is
-  ``overhead_s``; the pipeline's measured time per minibatch is recorded beside them.
+  ``overhead_s``; the pipeline's measured time per minibatch is recorded beside them. Its peer, measured in the
+  same run, two floors no pipeline runtime goes under: the CPU per minibatch of each stage sending and receiving
+  the same messages with nothing else (the backend's share, ``samples["runtime"]["messages"]``), and of a plain
+  PyTorch loop of the stage's layer alone (forward, backward, the optimizer's step; ``["plain"]``).
 
 Bounded waits: every rank announces itself in the job's store; a rank that does not within ``--timeout``
 seconds makes every rank that is running fail with one line naming it (exit status 2); so does a transfer or
@@ -355,7 +358,65 @@ def _measure_runtime(env: Any, settings: ProbeSettings) -> dict[str, Any]:
             "wait_s": (after["wait_s"] - before["wait_s"]) / n}
     rows: list[Any] = [None] * S
     dist.all_gather_object(rows, mine)
-    return {"stages": sorted(rows, key=lambda r: r["stage"]), "minibatches": n}
+    floors = (trainer.stage_index, _measure_messages(trainer.stage_index, S, n),
+              _measure_plain(Scale(), data, trainer.is_last, n))
+    gathered: list[Any] = [None] * S
+    dist.all_gather_object(gathered, floors)
+    gathered.sort()
+    return {"stages": sorted(rows, key=lambda r: r["stage"]), "minibatches": n,
+            "messages": [m for _, m, _ in gathered], "plain": [p for _, _, p in gathered]}
+
+
+def _measure_plain(layer: Any, data: Callable[[int], Any], last: bool, n: int) -> float:
+    """CPU seconds per minibatch of a plain PyTorch loop of ``layer`` alone, as one stage of the pipeline of
+    :func:`_measure_runtime` runs it (the last stage from a loss, the others from an incoming gradient)."""
+    import torch
+    from torch import nn
+
+    opt = torch.optim.SGD(layer.parameters(), lr=1e-4)
+    grad = torch.zeros(8, 64)
+
+    def rounds(start: int, count: int) -> None:
+        for b in range(start, start + count):
+            x, y = data(b)
+            out = layer(x)
+            if last:
+                nn.functional.mse_loss(out, y).backward()
+            else:
+                out.backward(grad)
+            opt.step()
+            opt.zero_grad()
+
+    rounds(0, 4)
+    cpu0 = time.process_time()
+    rounds(4, n)
+    return (time.process_time() - cpu0) / n
+
+
+def _measure_messages(stage: int, stages: int, n: int) -> float:
+    """CPU seconds per minibatch of stage ``stage`` (rank ``stage``) sending and receiving what it does in the
+    pipeline of :func:`_measure_runtime` — an ``(8, 64)`` activation to the next stage, its gradient to the
+    previous one, and theirs from them — with nothing else: the backend's own share of the fixed cost."""
+    import torch
+    import torch.distributed as dist
+
+    def rounds(count: int) -> None:
+        act_in, grad_in = torch.empty(8, 64), torch.empty(8, 64)
+        act_out, grad_out = torch.zeros(8, 64), torch.zeros(8, 64)
+        for b in range(count):
+            works = []
+            if stage > 0:
+                works += [dist.irecv(act_in, stage - 1, tag=2 * b), dist.isend(grad_out, stage - 1, tag=2 * b + 1)]
+            if stage < stages - 1:
+                works += [dist.isend(act_out, stage + 1, tag=2 * b), dist.irecv(grad_in, stage + 1, tag=2 * b + 1)]
+            for w in works:
+                w.wait()
+
+    rounds(4)  # connect
+    dist.barrier()
+    cpu0 = time.process_time()
+    rounds(n)
+    return (time.process_time() - cpu0) / n
 
 
 def probe(levels: Sequence[int] | None = None, settings: ProbeSettings | None = None) -> Any:
@@ -454,6 +515,10 @@ def _run(argv: list[str] | None) -> int:
             walls = [r["wall_s"] for r in rt["stages"]]
             print(f"  runtime, {len(walls)}-stage pipeline of empty layers: {max(walls) * 1e3:.3f} ms per minibatch; "
                   f"CPU per stage " + " ".join(f"{r['cpu_s'] * 1e3:.3f}" for r in rt["stages"]) + " ms")
+            if rt.get("messages") and rt.get("plain"):
+                print(f"  floors of that CPU: the same messages alone "
+                      + " ".join(f"{c * 1e3:.3f}" for c in rt["messages"]) + " ms; a plain PyTorch loop of each "
+                      "stage's layer " + " ".join(f"{c * 1e3:.3f}" for c in rt["plain"]) + " ms")
         print(f"machine profile written to {out}")
     return 0
 

@@ -55,6 +55,9 @@ def test_probe_measures_two_levels_on_four_ranks():
     assert [r["stage"] for r in rt["stages"]] == [0, 1, 2, 3]
     assert len(m.stage_overhead_s) == 4 and 1e-5 < m.overhead_s < 0.05
     assert all(r["wall_s"] >= r["busy_s"] > 0 for r in rt["stages"])
+    # its floors, measured beside it on every stage: the same messages alone, a plain loop of the stage's layer
+    assert len(rt["messages"]) == len(rt["plain"]) == 4
+    assert all(0 < c < 0.05 for c in rt["messages"] + rt["plain"])
     # per level: a small and a large ping-pong; all-reduce for groups of 2 at each level
     assert sorted((s["level"], s["bytes"]) for s in m.samples["p2p"]) == [(0, 64), (0, 65536), (1, 64), (1, 65536)]
     assert {(s["level"], s["replicas"]) for s in m.samples["allreduce"]} == {(0, 2), (1, 2)}
