@@ -44,7 +44,7 @@ from .data import bind_inputs
 from .group import CommGroup
 from .hooks import Hooks
 from .losses import LossLog, cuda_marker
-from . import optimstep
+from . import engine, optimstep
 from .modes import Mode
 from .reparam import Reparametrized
 from .splitbackward import WeightBackward, input_backward
@@ -452,14 +452,14 @@ class Executor:
         if roots and wrt and len(wrt_params) == len(targets) and all(w is t for w, t in zip(wrt_params, targets)):
             # the forward read the live weights themselves: autograd adds each weight's gradient into its ``grad``
             # as it goes, so no second copy of the stage's gradients ever exists (a flush window accumulates)
-            torch.autograd.backward(roots, grads, inputs=wrt)
+            engine.backward(roots, grads, wrt)
             in_grads = [t.grad for t in wrt_inputs]
             for t in wrt_inputs:
                 t.grad = None
             self._send_input_grads(b, wrt_inputs, in_grads)
         else:
             if roots and wrt:
-                got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
+                got = engine.grad(roots, wrt, grads)
             else:
                 got = (None,) * len(wrt)
             self._accumulate(targets, got[: len(wrt_params)])

@@ -24,6 +24,8 @@ from typing import Any, Sequence
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from . import engine
+
 __all__ = ["WeightBackward", "input_backward"]
 
 
@@ -74,9 +76,8 @@ class WeightBackward:
             for k, (starts, which) in enumerate(groups):  # one autograd call per group: it stops at its weights
                 # a node may lie on the paths of two groups (weights each used at two depths, with the input path
                 # between them): the graph is kept until the last call
-                got = torch.autograd.grad([GradientEdge(node, i) for node, i, _ in starts], [weights[w] for w in which],
-                                          [g for _, _, g in starts], allow_unused=True,
-                                          retain_graph=k < len(groups) - 1)
+                got = engine.grad([GradientEdge(node, i) for node, i, _ in starts], [weights[w] for w in which],
+                                  [g for _, _, g in starts], retain_graph=k < len(groups) - 1)
                 for w, g in zip(which, got):
                     out[w] = g
         finally:
@@ -172,8 +173,7 @@ def input_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
     try:
         if inputs and any(on_input_path.get(n, False) for n in root_nodes):
             pairs = [(r, g) for r, g in zip(roots, grads) if on_input_path.get(r.grad_fn, False)]
-            in_grads = torch.autograd.grad([r for r, _ in pairs], list(inputs), [g for _, g in pairs],
-                                           retain_graph=True, allow_unused=True)
+            in_grads = engine.grad([r for r, _ in pairs], inputs, [g for _, g in pairs], retain_graph=True)
         else:
             in_grads = (None,) * len(inputs)
     finally:
