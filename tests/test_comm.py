@@ -1,6 +1,7 @@
 """Messages between stages (pipedream_ft.pipeline.comm): a link's first activation teaches the receiver its shapes;
 later small ones travel with their header as one message (Packing), large ones as a header and one message per
-tensor; every dtype and shape arrives as sent, on 2 real gloo processes."""
+tensor; every dtype and shape arrives as sent, on 2 real gloo processes. With headers on the host (what a device
+backend does) nothing is packed and the header travels on the gloo control group."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _values(b: int, big: bool) -> list[torch.Tensor]:
             torch.arange(b, b + 3) > b, torch.randint(0, 9, (2, 2), generator=g), torch.zeros(0, 4)]
 
 
-def _exchange(big: bool) -> list[tuple[str, int]]:
+def _exchange(big: bool, host_headers: bool = False) -> list[tuple[str, int]]:
     """Rank 0 sends minibatches -1 (the pre-flight's, unpacked) and 0..5 to rank 1; rank 1 checks each and returns
     what it was sent as: ("packed" | "separate", minibatch); rank 0 then refuses to send other shapes."""
     import os
@@ -35,7 +36,8 @@ def _exchange(big: bool) -> list[tuple[str, int]]:
     rank = int(os.environ["RANK"])
     store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 2, rank == 0, timeout=timedelta(seconds=60))
     group = CommGroup(store, rank=rank, world_size=2, backend="gloo", device=torch.device("cpu"), timeout_s=60)
-    m = Messenger(group, 60)
+    m = Messenger(group, 60, host_headers=host_headers)
+    assert m.host_headers is host_headers
     seen: list[tuple[str, int]] = []
     try:
         if rank == 0:
@@ -50,6 +52,7 @@ def _exchange(big: bool) -> list[tuple[str, int]]:
                 h = handles.pop(b) if b in handles else m.post_activations(0, b)
                 header, got = h.wait()
                 assert header == Header(b, b + 7, b % 3)
+                assert h.header_buf is not None and h.header_buf.device.type == "cpu"
                 want = _values(b, big)
                 assert [TensorSpec.of(t) for t in got] == [TensorSpec.of(t) for t in want]
                 assert all(torch.equal(x, y) for x, y in zip(got, want)), b
@@ -69,6 +72,22 @@ def test_activations_arrive_as_sent_packed_once_the_shapes_are_known(big):
     assert out[0][1] == [("refused", 6)]
 
 
+def test_headers_on_the_host_travel_apart_from_their_tensors():
+    out = run_world(_exchange, 2, False, True, timeout=90)
+    assert out[1][1] == [("separate", b) for b in range(-1, 6)]
+    assert out[0][1] == [("refused", 6)]
+
+
+def test_headers_go_to_the_gloo_control_group_and_tensors_to_their_link():
+    from pipedream_ft.pipeline.group import CommGroup
+
+    group = CommGroup.__new__(CommGroup)
+    group.world, group.control = "nccl-world", "gloo-control"
+    group._links = {(1, "act"): ("nccl-act-link", 0)}
+    assert group._route(1, "hdr") == ("gloo-control", 1) and group._route(1, "hdr:2") == ("gloo-control", 1)
+    assert group._route(1, "act") == ("nccl-act-link", 0) and group._route(1, "tgt") == ("nccl-world", 1)
+
+
 def test_a_packing_keeps_every_tensor_aligned_and_refuses_a_large_message():
     specs = [TensorSpec((3, 5), torch.float16), TensorSpec((), torch.float32), TensorSpec((2,), torch.bool),
              TensorSpec((0, 4), torch.int64), TensorSpec((2, 2), torch.complex64)]
@@ -76,3 +95,40 @@ def test_a_packing_keeps_every_tensor_aligned_and_refuses_a_large_message():
     assert p is not None and all(o % 16 == 0 for o in p.offsets)
     assert p.nbytes == (30, 4, 2, 0, 32) and p.size == p.offsets[-1] + 32
     assert Packing.of([TensorSpec((PACK_LIMIT // 4 + 1,), torch.float32)]) is None
+
+
+def _headers(host: bool, case, *args):
+    """``case(*args)`` on this rank, every messenger sending its headers on the host (as under NCCL) if ``host``."""
+    from pipedream_ft.pipeline import comm
+
+    comm.Messenger.__init__.__kwdefaults__["host_headers"] = True if host else None
+    return case(*args)
+
+
+@pytest.mark.parametrize("mode", ["vertical", "flush"])
+def test_a_pipeline_with_headers_on_the_host_trains_bitwise_as_with_headers_on_its_link(mode, tmp_path):
+    """Headers carry the version tag (vertical sync) and the cut flags (a checkpoint every 4 minibatches): the same
+    losses and weights, and the same checkpoints, either way."""
+    from runtime_cases import gpt_case, gpt_plan
+
+    plan = gpt_plan(3)
+    runs = [run_world(_headers, 3, host, gpt_case, plan, 12, mode, "sgd", 4, str(tmp_path / name), timeout=200)
+            for host, name in ((False, "link"), (True, "host"))]
+    (_, link), (_, host) = runs[0][2], runs[1][2]
+    assert host["losses"] == link["losses"] and len(link["losses"]) == 12
+    assert all(torch.equal(host["state"][k], v) for k, v in link["state"].items())
+    assert sorted(p.name for p in (tmp_path / "host").iterdir()) == sorted(p.name for p in (tmp_path / "link").iterdir())
+
+
+def test_stages_of_one_process_with_headers_on_the_host_train_and_evaluate_as_with_headers_on_their_link():
+    """ZBV: two stages per process, messages only between processes (tagged by stage), evaluation's channel of
+    variable shapes too."""
+    from runtime_cases import stages_case
+
+    stages = [[0, 1], [2, 3, 4], [5, 6], [7, 8]]
+    link, host = (run_world(_headers, 2, h, stages_case, stages, 8, "zbv", timeout=200) for h in (False, True))
+    for rank in (0, 1):
+        a, b = link[rank][1], host[rank][1]
+        assert a["stages"] == b["stages"] and len(a["stages"]) == 2
+        assert a["losses"] == b["losses"] and a["eval"] == b["eval"]
+        assert all(torch.equal(b["state"][k], v) for k, v in a["state"].items())

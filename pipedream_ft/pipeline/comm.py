@@ -11,6 +11,14 @@ floating-point tensors of the matching activation message, whose shapes both sid
 Every wait is bounded: a peer that is dead or stuck makes :class:`PeerTimeoutError` name the operation and the
 peer instead of hanging. With gloo each message gets its own tag; NCCL ignores tags and keeps order per pair.
 
+**Headers on the host.** A receiver acts on a header with the host (the version tag picks weights, the flags
+announce a cut), so a header received into device memory would make the host wait for the device once per
+message: on every stage, before it may queue the minibatch's forward. On a device (NCCL), headers therefore
+travel as CPU tensors over the group's gloo ``control`` group (the link ``"hdr"``), and only the tensors over the
+device's links; a small activation is not packed with its header there. The receiver reads the header on the
+host and queues the forward at once, on tensors whose receives were posted ahead: the device runs it when they
+arrive.
+
 **Channels.** Header-and-tensors messages travel on a *channel*: ``"act"`` (training activations, shapes
 learned once and fixed), ``"tgt"`` (stage 0 sends each minibatch's targets straight to the last stage),
 ``"eval"`` and ``"eval-tgt"`` (activations and targets of :meth:`~pipedream_ft.trainer.PipelineTrainer.evaluate`).
@@ -255,12 +263,13 @@ class Messenger:
     """Sends and receives stage-boundary tensors for one rank."""
 
     def __init__(self, group: CommGroup, timeout_s: float, *, route: StageRoute | None = None,
-                 handoff: Handoff | None = None) -> None:
+                 handoff: Handoff | None = None, host_headers: bool | None = None) -> None:
         """``group`` carries the traffic (its links, under NCCL, one communicator per link and direction).
 
         ``route``: a stage of a process that holds several (see :mod:`~pipedream_ft.pipeline.colocated`): peers
         are then *stages*, each message's tag carries the stage that sends it, and a message to a stage of this
-        same process is left in ``handoff`` instead of travelling."""
+        same process is left in ``handoff`` instead of travelling. ``host_headers``: send headers on the host
+        (default: when the group's device is not the CPU)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if route is not None and handoff is None:
@@ -271,6 +280,9 @@ class Messenger:
         self._lanes = route.lanes if route is not None else 1
         self._stage = route.stage if route is not None else 0
         self.device = group.device
+        self.host_headers = self.device.type != "cpu" if host_headers is None else host_headers
+        """Headers travel as CPU tensors on the link ``"hdr"`` (see the module docstring); tensors as before."""
+        self._header_device = torch.device("cpu") if self.host_headers else self.device
         self.timeout = timedelta(seconds=timeout_s)
         self._learned: dict[int, list[TensorSpec]] = {}
         self._sent_specs: dict[int, list[TensorSpec]] = {}
@@ -292,7 +304,7 @@ class Messenger:
             before = self._sent_specs.get(peer)
             if before is None:  # the link's first message (the pre-flight's) teaches the receiver its shapes
                 before = self._sent_specs[peer] = specs
-            elif before == specs:
+            elif before == specs and not self.host_headers:
                 packing = self._packing(peer, True, specs)
         else:
             before = specs
@@ -308,8 +320,9 @@ class Messenger:
                 template = self._templates[peer] = _template(specs)
         else:
             template = None
-        buf = _encode(header, specs, self.device, template)
+        buf = _encode(header, specs, self._header_device, template)
         link, base = _CHANNELS[channel]
+        header_link = self._link("hdr" if self.host_headers else link, self._stage)
         link = self._link(link, self._stage)
         code = self._code(header.minibatch, self._stage)
         what = "activation" if channel == "act" else f"{channel} message"
@@ -317,7 +330,7 @@ class Messenger:
             self._isend(packing.pack(buf, tensors), peer, base + _tag(code, 0), f"{what} of minibatch "
                         f"{header.minibatch}", link)
             return
-        self._isend(buf, peer, base + _tag(code, 0), f"{what} header of minibatch {header.minibatch}", link)
+        self._isend(buf, peer, base + _tag(code, 0), f"{what} header of minibatch {header.minibatch}", header_link)
         for i, t in enumerate(tensors):
             self._isend(t.detach().contiguous(), peer, base + _tag(code, i + 1),
                         f"{what} of minibatch {header.minibatch}", link)
@@ -424,16 +437,16 @@ class Messenger:
     def _post_header(self, h: RecvHandle) -> None:
         link, base = _CHANNELS[h.channel]
         known = self._learned.get(h.peer) if h.channel == "act" else None
-        packing = self._packing(h.peer, False, known) if known is not None else None
+        packing = self._packing(h.peer, False, known) if known is not None and not self.host_headers else None
         if packing is not None:  # header and tensors in one buffer (see Packing)
             h.packing, h.expected = packing, known
             h.header_buf = torch.empty(packing.size, dtype=torch.uint8, device=self.device)
             h.header_work = self._irecv(h.header_buf, h.peer, base + _tag(self._code(h.minibatch, h.peer), 0),
                                         self._link(link, h.peer))
             return
-        h.header_buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        h.header_buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._header_device)
         h.header_work = self._irecv(h.header_buf, h.peer, base + _tag(self._code(h.minibatch, h.peer), 0),
-                                    self._link(link, h.peer))
+                                    self._link("hdr" if self.host_headers else link, h.peer))
         if h.channel != "act":
             return
         known = self._learned.get(h.peer)

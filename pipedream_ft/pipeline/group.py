@@ -164,6 +164,8 @@ class CommGroup:
     # -- point to point ---------------------------------------------------------------------------------------
 
     def _route(self, peer: int, channel: str) -> tuple[Any, int]:
+        if channel.startswith("hdr"):  # headers on the host (see pipedream_ft.pipeline.comm): the gloo group
+            return self.control, peer
         return self._links.get((peer, channel), (self.world, peer))
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int, channel: str) -> Any:
