@@ -121,12 +121,12 @@ def test_a_pipeline_with_headers_on_the_host_trains_bitwise_as_with_headers_on_i
 
 
 def test_stages_of_one_process_with_headers_on_the_host_train_and_evaluate_as_with_headers_on_their_link():
-    """ZBV: two stages per process, messages only between processes (tagged by stage), evaluation's channel of
-    variable shapes too."""
+    """ZBV: two stages per process, messages only between processes (tagged by stage); the data read once on stage
+    0, which sends the targets to the last stage (their own channel), and evaluation's channel of variable shapes."""
     from runtime_cases import stages_case
 
     stages = [[0, 1], [2, 3, 4], [5, 6], [7, 8]]
-    link, host = (run_world(_headers, 2, h, stages_case, stages, 8, "zbv", timeout=200) for h in (False, True))
+    link, host = (run_world(_headers, 2, h, stages_case, stages, 8, "zbv", {"stream": True}, timeout=200) for h in (False, True))
     for rank in (0, 1):
         a, b = link[rank][1], host[rank][1]
         assert a["stages"] == b["stages"] and len(a["stages"]) == 2
