@@ -306,7 +306,7 @@ def _measure_parallelism(env: Any, levels: list[int], settings: ProbeSettings) -
     return {"alone_s": float(t_alone[0]), "together_s": together, "parallelism": par}
 
 
-def _measure_runtime(env: Any, settings: ProbeSettings) -> dict[str, Any]:
+def _measure_runtime(env: Any, settings: ProbeSettings, device: Any) -> dict[str, Any]:
     """Train a ``WORLD_SIZE``-stage pipeline of layers that compute nothing; per-stage CPU and wall figures."""
     import torch
     import torch.distributed as dist
@@ -358,8 +358,8 @@ def _measure_runtime(env: Any, settings: ProbeSettings) -> dict[str, Any]:
             "wait_s": (after["wait_s"] - before["wait_s"]) / n}
     rows: list[Any] = [None] * S
     dist.all_gather_object(rows, mine)
-    floors = (trainer.stage_index, _measure_messages(trainer.stage_index, S, n),
-              _measure_plain(Scale(), data, trainer.is_last, n))
+    floors = (trainer.stage_index, _measure_messages(trainer.stage_index, S, n, device),
+              _measure_plain(Scale().to(device), data, trainer.is_last, n, device))
     gathered: list[Any] = [None] * S
     dist.all_gather_object(gathered, floors)
     gathered.sort()
@@ -367,18 +367,19 @@ def _measure_runtime(env: Any, settings: ProbeSettings) -> dict[str, Any]:
             "messages": [m for _, m, _ in gathered], "plain": [p for _, _, p in gathered]}
 
 
-def _measure_plain(layer: Any, data: Callable[[int], Any], last: bool, n: int) -> float:
+def _measure_plain(layer: Any, data: Callable[[int], Any], last: bool, n: int, device: Any) -> float:
     """CPU seconds per minibatch of a plain PyTorch loop of ``layer`` alone, as one stage of the pipeline of
-    :func:`_measure_runtime` runs it (the last stage from a loss, the others from an incoming gradient)."""
+    :func:`_measure_runtime` runs it (the last stage from a loss, the others from an incoming gradient), on
+    ``device`` (on a GPU: the host's CPU time, kernels queued, the device waited for at the end)."""
     import torch
     from torch import nn
 
     opt = torch.optim.SGD(layer.parameters(), lr=1e-4)
-    grad = torch.zeros(8, 64)
+    grad = torch.zeros(8, 64, device=device)
 
     def rounds(start: int, count: int) -> None:
         for b in range(start, start + count):
-            x, y = data(b)
+            x, y = (t.to(device) for t in data(b))
             out = layer(x)
             if last:
                 nn.functional.mse_loss(out, y).backward()
@@ -390,10 +391,12 @@ def _measure_plain(layer: Any, data: Callable[[int], Any], last: bool, n: int) -
     rounds(0, 4)
     cpu0 = time.process_time()
     rounds(4, n)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return (time.process_time() - cpu0) / n
 
 
-def _measure_messages(stage: int, stages: int, n: int) -> float:
+def _measure_messages(stage: int, stages: int, n: int, device: Any) -> float:
     """CPU seconds per minibatch of stage ``stage`` (rank ``stage``) sending and receiving what it does in the
     pipeline of :func:`_measure_runtime` — an ``(8, 64)`` activation to the next stage, its gradient to the
     previous one, and theirs from them — with nothing else: the backend's own share of the fixed cost."""
@@ -401,8 +404,8 @@ def _measure_messages(stage: int, stages: int, n: int) -> float:
     import torch.distributed as dist
 
     def rounds(count: int) -> None:
-        act_in, grad_in = torch.empty(8, 64), torch.empty(8, 64)
-        act_out, grad_out = torch.zeros(8, 64), torch.zeros(8, 64)
+        act_in, grad_in = (torch.empty(8, 64, device=device) for _ in range(2))
+        act_out, grad_out = (torch.zeros(8, 64, device=device) for _ in range(2))
         for b in range(count):
             works = []
             if stage > 0:
@@ -416,6 +419,8 @@ def _measure_messages(stage: int, stages: int, n: int) -> float:
     dist.barrier()
     cpu0 = time.process_time()
     rounds(n)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return (time.process_time() - cpu0) / n
 
 
@@ -436,7 +441,7 @@ def probe(levels: Sequence[int] | None = None, settings: ProbeSettings | None = 
         else torch.device("cpu")
     links = _measure_links(env, lv, settings, device)
     par = _measure_parallelism(env, lv, settings) if device.type == "cpu" else None
-    runtime = _measure_runtime(env, settings) if settings.runtime and env.world_size >= 2 else None
+    runtime = _measure_runtime(env, settings, device) if settings.runtime and env.world_size >= 2 else None
     stage_cpu = tuple(r["cpu_s"] for r in runtime["stages"]) if runtime else ()
     overhead = statistics.median(stage_cpu) if stage_cpu else 0.0
     mlevels = []
