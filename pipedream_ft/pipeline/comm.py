@@ -118,7 +118,7 @@ def _encode(header: Header, specs: Sequence[TensorSpec], device: torch.device,
     arr = (template if template is not None else _template(specs)).copy()
     arr[1], arr[2], arr[3] = header.minibatch, header.tag, header.flags
     buf = torch.from_numpy(arr)
-    return buf if device.type == "cpu" else buf.to(device)
+    return buf if device.type == "cpu" else buf.to(device, non_blocking=True)
 
 
 def _decode(buf: torch.Tensor) -> tuple[Header, list[TensorSpec]]:

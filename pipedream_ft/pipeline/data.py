@@ -96,7 +96,8 @@ def pack_targets(targets: Any, device: torch.device) -> list[torch.Tensor]:
         raise PipelineSetupError(f"targets must be tensors (or tuples, lists, dicts of tensors) to travel to the last "
                                  f"stage; these are {', '.join(sorted(set(bad)))}")
     structure = torch.frombuffer(bytearray(pytree.treespec_dumps(spec).encode()), dtype=torch.uint8)
-    return [t.to(device) for t in leaves] + [structure.to(device)]
+    # non-blocking: a blocking copy to a GPU waits for everything queued before it, once per minibatch
+    return [t.to(device, non_blocking=True) for t in leaves] + [structure.to(device, non_blocking=True)]
 
 
 def unpack_targets(tensors: list[torch.Tensor]) -> Any:

@@ -574,7 +574,8 @@ class Executor:
         flags = self.cuts.get(round_end, 0)
         if self.group.replica is not None:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in live]
-            flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([float(flags)], device=self.device)])
+            # the flags filled on the device: a tensor built from a Python list would wait for the device to copy it
+            flat = torch.cat([g.reshape(-1) for g in grads] + [torch.full((1,), float(flags), device=self.device)])
             work = self.group.replica_allreduce(flat)
             self.messenger.wait(work, f"gradient all-reduce of update {round_} among replicas {list(topo.stage_ranks)}")
             marks = int(float(flat[-1]))
