@@ -183,6 +183,10 @@ def test_storage_that_refuses_for_good_is_not_retried_and_leaves_no_half_written
         assert "storage refuses it" in str(hb.error) and "File too large" in str(hb.error)
         assert wb.refused is not None
         ha = wa.save(1, {"x": torch.ones(10)})
+        deadline = time.monotonic() + 30  # the committer's own part written: the step now waits for b's part
+        while not (wa.last_durable == 1 and wa.pending_steps == [1]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert wa.last_durable == 1 and wa.pending_steps == [1]
         assert not ha.wait(0.2)  # the committer still waits for b's part ...
         assert wa.give_up("b's storage refused it") == [1]  # ... until it learns it never comes
         assert ha.wait(10) and ha.committed is False
