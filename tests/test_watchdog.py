@@ -32,15 +32,19 @@ def test_no_beat_while_armed_fails_naming_what_the_rank_was_doing():
 
 def test_beats_keep_it_quiet_and_a_disarmed_watchdog_never_fires(tmp_path):
     health = tmp_path / "health"
-    dog = Watchdog(0.3, on_timeout=lambda msg: pytest.fail(msg), health_file=str(health))
+    # beats ten times as often as the timeout: a loaded machine may stretch a 0.1 s wait, not ten times over
+    fired: list[str] = []  # the watchdog's thread calls on_timeout: record, and assert here
+    dog = Watchdog(1.0, on_timeout=fired.append, health_file=str(health))
     dog.arm()
-    for _ in range(8):  # 1.2 s of progress: four timeouts' worth
+    for _ in range(25):  # 2.5 s of progress: more than two timeouts' worth
         dog.beat("running 3F1 on stage 0")
-        threading.Event().wait(0.15)
+        threading.Event().wait(0.1)
     assert "running 3F1 on stage 0" in health.read_text()
+    assert fired == []
     dog.disarm()
-    threading.Event().wait(1.2)
+    threading.Event().wait(2.5)
     dog.close()
+    assert fired == []
 
 
 @pytest.mark.parametrize("disarming", ["finishing", "failure"])
