@@ -49,8 +49,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def set_up_python(root: Path = ROOT) -> Path | None:
+    """The checkout's virtualenv's Python (``.venv``, where ``.ci/run`` sets up) when it is not this one and has
+    PyTorch and pipedream-ft; else ``None``."""
+    venv = root / ".venv" / "bin" / "python"
+    if not venv.exists() or Path(sys.executable) == venv or os.environ.get("PIPEDREAM_FT_DEMO_VENV"):
+        return None
+    probe = subprocess.run([str(venv), "-c", "import torch, pipedream_ft_examples"], capture_output=True,
+                           timeout=120)
+    return venv if probe.returncode == 0 else None
+
+
 def require_setup() -> None:
-    """One line and exit status 2 when this Python lacks PyTorch or pipedream-ft, before any step starts."""
+    """Before any step starts: when this Python lacks PyTorch or pipedream-ft, run the demo with the checkout's
+    set-up virtualenv if it has them (saying so), else one line and exit status 2."""
     missing = []
     try:
         import torch  # noqa: F401
@@ -60,11 +72,17 @@ def require_setup() -> None:
         missing.append("PyTorch")
     if importlib.util.find_spec("pipedream_ft_examples") is None:
         missing.append("pipedream-ft")
-    if missing:
-        print(f"demo: error: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed for {sys.executable}; set up first, from "
-              f"{ROOT}: pip install torch==2.13.0 && pip install -e \".[test]\" (the README's first command)",
-              file=sys.stderr)
-        raise SystemExit(2)
+    if not missing:
+        return
+    what = f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed for {sys.executable}"
+    venv = set_up_python()
+    if venv is not None:
+        print(f"demo: {what}; running with the checkout's virtualenv, {venv}", file=sys.stderr, flush=True)
+        env = dict(os.environ, PIPEDREAM_FT_DEMO_VENV="1")
+        raise SystemExit(subprocess.run([str(venv), str(Path(__file__).resolve()), *sys.argv[1:]], env=env).returncode)
+    print(f"demo: error: {what}; set up first, from {ROOT}: pip install torch==2.13.0 && pip install -e \".[test]\" "
+          "(the README's first command)", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def main() -> int:

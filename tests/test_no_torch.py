@@ -62,3 +62,24 @@ def test_commands_say_in_one_line_that_torch_is_missing(argv, no_torch_env, tmp_
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert "PyTorch is not installed for" in lines[0] and "pip install torch" in lines[0], lines
     assert not (tmp_path / "demo").exists()  # the demo stops before its first step
+
+
+def test_the_demo_uses_the_checkouts_set_up_virtualenv_when_this_python_lacks_it(tmp_path, monkeypatch) -> None:
+    """A Python without the set-up (the machine's own) runs the demo with the checkout's ``.venv`` if that has
+    PyTorch and pipedream-ft; a ``.venv`` without them, or none, leaves the one line above."""
+    from pipedream_ft_examples.demo import set_up_python
+
+    monkeypatch.delenv("PIPEDREAM_FT_DEMO_VENV", raising=False)
+    assert set_up_python(tmp_path) is None  # no .venv
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # a set-up Python: this one
+    (bin_dir / "python").chmod(0o755)
+    assert set_up_python(tmp_path) == bin_dir / "python"
+    monkeypatch.setenv("PIPEDREAM_FT_DEMO_VENV", "1")  # already running with it: never again
+    assert set_up_python(tmp_path) is None
+    monkeypatch.delenv("PIPEDREAM_FT_DEMO_VENV")
+    (bin_dir / "python").unlink()
+    (bin_dir / "python").write_text("#!/bin/sh\nexit 1\n")  # a .venv that cannot import them
+    (bin_dir / "python").chmod(0o755)
+    assert set_up_python(tmp_path) is None
