@@ -536,13 +536,14 @@ _DENSE_BYTES = 2.0e9
 
 
 def plan_chain(profile: Profile, con, workers: Sequence[int], bandwidth: Sequence[float], straight: bool,
-               *, min_states: int | None = None):
+               *, min_states: int | None = None, processes: Sequence[int] | None = None):
     """The plan of ``profile`` by :func:`solve_chain`, or None when the general path should plan it.
 
     ``con`` is ``contract(profile)`` (planning runs on its tensor layers). Returns None if the contracted
     profile is no chain, has fewer than ``min_states`` states (default :data:`CHAIN_MIN_STATES`), or the
     search cannot decide and the general path fits in memory; raises :class:`~partitioner.plan.PlanError`
-    when no plan exists or the general path would not fit either.
+    when no plan exists or the general path would not fit either. ``processes``: balance the straight one-level
+    plan across them (see :func:`partitioner.optimizer.partition`).
     """
     from .contract import place_values
     from .plan import Plan, PlanError, aligned_ranks
@@ -567,6 +568,26 @@ def plan_chain(profile: Profile, con, workers: Sequence[int], bandwidth: Sequenc
             f"cannot plan {S} states on workers {list(workers)}: a stage replicated across machines might be "
             f"fastest, and the exact search for it needs about {need / 2**30:.1f} GiB; give more bandwidth to "
             "the outer levels or fewer levels")
+    predicted = sol.time_s
+    if processes is not None and len(workers) == 1 and len(sol.bounds) > 2:
+        from .balance import balance_bounds, process_loads
+
+        ch = _Chain(cs, workers, bandwidth, straight)
+
+        def stage_time(lo, hi):  # ch.stage_time, element-wise
+            t = ch._compute_time(lo, hi, 1)
+            t = np.where(np.asarray(lo) > 0, np.maximum(t, cost.transfer_time(ch.o[lo], 1, ch.B[0])), t)
+            later = (np.asarray(lo) > 0) & (np.asarray(hi) < ch.S)  # the first stage pays no transfer
+            return np.where(later, np.maximum(t, cost.transfer_time(ch.o[hi], 1, ch.B[0])), t)
+
+        first = sum((con.profile.layers[i].forward_ms + con.profile.layers[i].backward_ms) / 1000.0
+                    for i in cs.removed_inputs)  # the inputs taken out of the search join the first stage
+        compute = cs.compute + np.where(np.arange(len(cs.compute)) > 0, first, 0.0)
+        bounds = balance_bounds(compute, sol.bounds, processes, lambda lo, hi: np.arange(lo + 1, hi), stage_time,
+                                lower_bound=sol.time_s)
+        times = [ch.stage_time(p, q, 1, i == 0) for i, (p, q) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        predicted = max(max(times), float(process_loads(compute, bounds, processes).max()))
+        sol = ChainSolution(max(times), bounds, list(sol.replicas), times, sol.probes)
     n1 = int(workers[0])
     ch_levels = [int(n) for n in workers]
     # the machine tree: every level >= 2 stage runs on one machine; innermost stages fill each machine
@@ -613,7 +634,7 @@ def plan_chain(profile: Profile, con, workers: Sequence[int], bandwidth: Sequenc
                 "stages_per_level": [len(sol.replicas)] + [units[-1] // units[l - 1] for l in range(2, len(units))]}
     return Plan.from_stages(
         stage_layers, list(sol.replicas), profile_hash=profile.structure_hash(),
-        layer_names=[l.name for l in profile.layers], stage_times_s=times, time_per_minibatch_s=sol.time_s,
+        layer_names=[l.name for l in profile.layers], stage_times_s=times, time_per_minibatch_s=predicted,
         data_parallel_time_s=cost.data_parallel_time(float(cs.compute[S]), float(cs.params[S]), workers, bandwidth),
         settings=settings, recompute=con.value_layers, ranks=aligned_ranks(workers, top))
 

@@ -201,7 +201,8 @@ def _with_schedule(plan: Plan, profile: object, args: argparse.Namespace, machin
     else:
         how = f"PipelineConfig(mode='flush', schedule='{chosen.name}', flush_every={m})"
     if chosen.stages_per_worker > 1:  # the plan of workers x V stages the schedule was simulated on
-        plan = virtual_plan(profile, workers, chosen.stages_per_worker, bandwidth)  # type: ignore[arg-type]
+        plan = chosen.plan if chosen.plan is not None else virtual_plan(
+            profile, workers, chosen.stages_per_worker, bandwidth, schedule=chosen.name)  # type: ignore[arg-type]
         how += f" on {workers} processes ({chosen.stages_per_worker} of the plan's {plan.num_stages} stages each)"
     costs = (f"the profile's costs, backwards split {split:g} weight gradient" if isinstance(split, float)
              else f"the profile's costs, backwards split as {split}")

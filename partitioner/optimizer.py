@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -784,9 +784,50 @@ def _contended(profile: Profile, machine: MachineProfile, workers: list[int], pi
     return max(pipeline_s, bound)
 
 
+def _removed_compute(profile: Profile, layers: Sequence[int]) -> float:
+    """The compute of ``layers`` (the inputs the search takes out: they join the first stage)."""
+    return sum((profile.layers[i].forward_ms + profile.layers[i].backward_ms) / 1000.0 for i in layers)
+
+
+def _balanced(profile: Profile, states: AntichainStates, prob: LevelProblem, sol: LevelSolution,
+              processes: Sequence[int]) -> tuple[LevelSolution, float]:
+    """``sol`` with its cuts balanced across ``processes`` (:func:`partitioner.balance.balance_bounds`) and the
+    busiest process's compute. Cut position ``b`` is the start (0) or after state ``b - 1``."""
+    from .balance import balance_bounds, process_loads
+
+    compute = np.concatenate([[0.0], np.asarray(states.compute_s, dtype=np.float64) +
+                              _removed_compute(profile, states.removed_inputs)])  # inputs: always stage 0
+    prec = states.precedes
+
+    def between(lo: int, hi: int) -> np.ndarray:
+        q = np.arange(lo + 1, hi)
+        if q.size == 0:
+            return q
+        ok = prec[q - 1, hi - 1]
+        if lo > 0:
+            ok = ok & prec[lo - 1, q - 1]
+        return q[ok]
+
+    n = states.num_states  # the time of every stage (lo, hi], as the program counts it
+    times = np.empty((n + 1, n + 1))
+    times[0, 1:] = prob.first_time(np.arange(n), 1)
+    times[1:, 1:] = prob.pair_time(np.arange(n)[:, None], np.arange(n)[None, :], 1)
+
+    def stage_time(lo: Any, hi: Any) -> np.ndarray:
+        return times[lo, hi]
+
+    bounds = balance_bounds(compute, [0] + [c + 1 for c in sol.cuts], processes, between, stage_time,
+                            lower_bound=sol.time_s)  # the program's optimum: no plan has a faster slowest stage
+    cuts = [b - 1 for b in bounds[1:]]
+    times = stage_times(prob, cuts, sol.replicas)
+    busiest = float(process_loads(compute, bounds, processes).max())
+    return LevelSolution(max(times), cuts, list(sol.replicas), times), busiest
+
+
 def partition(profile: Profile, workers: int | Sequence[int] | None,
               bandwidth: float | Sequence[float] | None = None, *, straight: bool = False,
-              memory_bytes: float | None = None, machine: MachineProfile | None = None) -> Plan:
+              memory_bytes: float | None = None, machine: MachineProfile | None = None,
+              processes: Sequence[int] | None = None) -> Plan:
     """Plan ``profile`` for ``workers`` (workers per level, innermost first) at ``bandwidth`` bytes/s per level.
 
     A one-level machine may be given by scalars (``partition(profile, 4, 1e9)``). Returns the plan of least
@@ -801,6 +842,12 @@ def partition(profile: Profile, workers: int | Sequence[int] | None,
     stage); ``bandwidth`` may then be None (the machine's levels give it; if given it must be the machine's) and
     ``workers`` may be None (the machine's). The plan's ``settings["machine"]`` records the profile, so a re-plan uses
     it again. With no measured terms it gives PipeDream's plan.
+
+    ``processes`` (a straight one-level plan only): the process of each stage, for the schedules that give a
+    process several stages (:func:`partitioner.balance.virtual_placement`). The program's plan is then balanced
+    so that the busiest process holds the least compute it can (:mod:`partitioner.balance`), and the predicted
+    time per minibatch is the busiest process's compute if that exceeds the slowest stage's time. Without a
+    memory limit only (under one the program's plan, which fits, is kept).
     """
     if machine is not None:
         if bandwidth is not None and _levels(bandwidth, "bandwidth") != machine.bandwidth:
@@ -819,12 +866,21 @@ def partition(profile: Profile, workers: int | Sequence[int] | None,
     bandwidth = [float(b) if isinstance(b, int) and not isinstance(b, bool) else b
                  for b in _levels(bandwidth, "bandwidth")]
     _check_inputs(workers, bandwidth, memory_bytes)
+    if processes is not None:
+        processes = [int(p) for p in processes]
+        if not straight or len(workers) != 1:
+            raise PlanError("processes= balances a straight plan of one level (straight=True, one --workers)")
+        if len(processes) != workers[0] or min(processes, default=0) < 0:
+            raise PlanError(f"processes= must give a process (>= 0) for each of the {workers[0]} stages, got "
+                            f"{processes}")
+        if memory_bytes is not None:
+            processes = None
     if memory_bytes is not None and len(workers) > 1:
         raise PlanError("a memory limit is supported for single-level machines only (one --workers)")
     con = contract(profile)
     search_profile = con.profile
     if memory_bytes is None and machine is None:  # long chains: the scalable exact search
-        fast = plan_chain(profile, con, workers, bandwidth, straight)
+        fast = plan_chain(profile, con, workers, bandwidth, straight, processes=processes)
         if fast is not None:
             return fast
     states = linearize(search_profile)
@@ -882,6 +938,9 @@ def partition(profile: Profile, workers: int | Sequence[int] | None,
     if len(workers) == 1 and memory_bytes is None and machine is None:  # cuts between blocks first
         upper = flat_upper_plan(states, workers[0], bandwidth[0], straight)
     sol = solve_level(prob, lower, upper)
+    busiest = 0.0
+    if sol is not None and processes is not None and len(workers) == 1 and len(sol.cuts) > 1:
+        sol, busiest = _balanced(search_profile, states, prob, sol, processes)
     if sol is None:
         if memory_bytes is not None:
             need = _smallest_memory(states, workers[0], bandwidth[0], straight)
@@ -935,7 +994,7 @@ def partition(profile: Profile, workers: int | Sequence[int] | None,
         except PlanError as exc:
             raise PlanError(f"the stages holding a tied parameter need equal replica counts, which this hierarchy's "
                             f"best plan does not give them, and without replication: {exc}") from None
-    predicted = sol.time_s
+    predicted = max(sol.time_s, busiest)
     if machine is not None:
         predicted = _contended(profile, machine, workers, sol.time_s, stage_layers, settings)
     return Plan.from_stages(

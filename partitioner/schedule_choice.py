@@ -26,16 +26,18 @@ file's name. Only straight plans (one worker per stage) run GPipe, ZB-H1 and tab
 
 **Virtual stages** (:func:`rank_virtual`): the schedules that give each worker ``v`` stages — interleaved 1F1B,
 interleaved zero-bubble and looped BFS (stage ``s`` on worker ``s % W``), ZBV and DualPipeV (``v = 2``, in a V)
-— are planned on ``W * v`` straight stages split by PipeDream's dynamic program, simulated the same way, and
-their memory counted per worker, as its own actions hold it: the weights of all its stages plus, at its worst
-moment, the activations of every minibatch one of its stages has run forward and not yet finished backward.
-They rank beside the others and may be chosen: the plan to train them with is :func:`virtual_plan`'s, its ``W v``
-stages on ``W`` processes (see :mod:`pipedream_ft.virtual`).
+— are planned on ``W * v`` straight stages split by PipeDream's dynamic program and balanced across the processes
+(:func:`virtual_plan`: a process runs its stages one after another), simulated the same way on that plan and on
+the program's own, ranked with the faster, and their memory counted per worker, as its own actions hold it: the
+weights of all its stages plus, at its worst moment, the activations of every minibatch one of its stages has run
+forward and not yet finished backward. They rank beside the others and may be chosen: the plan to train them with
+is the one they were ranked with (:attr:`Ranked.plan`), its ``W v`` stages on ``W`` processes (see
+:mod:`pipedream_ft.virtual`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from profiler.profile import Profile
@@ -65,6 +67,8 @@ class Ranked:
     """Per stage (per worker, for a schedule of virtual stages): bytes one worker needs."""
     fits: bool
     stages_per_worker: int = 1
+    plan: Plan | None = field(default=None, compare=False, repr=False)
+    """For a schedule of virtual stages: the plan of ``W v`` stages it was simulated on (the one to train)."""
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -211,13 +215,18 @@ def rank_schedules(plan: Plan, profile: Profile, microbatches: int, *, weight_fr
 
 def rank_virtual(profile: Profile, workers: int, microbatches: int, bandwidth: float, *, stages_per_worker: int = 2,
                  weight_fraction: float | None = None, memory_bytes: float | None = None,
-                 names: Sequence[str] | None = None, machine: MachineProfile | None = None) -> list[Ranked]:
+                 names: Sequence[str] | None = None, machine: MachineProfile | None = None,
+                 plan: Plan | None = None) -> list[Ranked]:
     """The schedules of ``stages_per_worker`` stages per worker for ``workers`` workers, planned and simulated
     (see the module docstring), fastest first. ZBV and DualPipeV need 2 stages per worker and are left out
     otherwise, DualPipeV also when ``microbatches`` is under its stage count; ``names`` picks among
     :data:`VIRTUAL`. ``machine``: simulate its costs too (see :func:`schedule_costs`), each stage on the worker
     the schedule places it on — a worker's stages pay the fixed cost per action each, and interleaving multiplies
-    the actions. Raises :class:`PlanError` for bad settings or a model with too few cut points."""
+    the actions. Each schedule is simulated on :func:`virtual_plan`'s plan for its placement and on the dynamic
+    program's own (the slowest stage's), and ranked with the faster (:attr:`Ranked.plan`: the one to train).
+    ``plan``: simulate every schedule on this straight plan of ``workers * stages_per_worker`` stages instead.
+    Raises :class:`PlanError` for bad settings or a
+    model with too few cut points."""
     from pipedream_ft.schedules import build, simulate
 
     if workers < 1 or stages_per_worker < 1 or microbatches < 1:
@@ -230,29 +239,62 @@ def rank_virtual(profile: Profile, workers: int, microbatches: int, bandwidth: f
     if unknown:
         raise PlanError(f"unknown schedules of virtual stages {unknown}: expected some of {', '.join(VIRTUAL)}")
     stages = workers * stages_per_worker
-    plan = virtual_plan(profile, workers, stages_per_worker, bandwidth)
-    sc = _stage_costs(plan, profile, weight_fraction)
+    if plan is not None and (plan.num_stages != stages or any(s.replicas != 1 for s in plan.stages)):
+        raise PlanError(f"the plan given has {plan.num_stages} stages (replicas {[s.replicas for s in plan.stages]});"
+                        f" {workers} workers x {stages_per_worker} stages need {stages} straight ones")
+    given = plan
+    program: list[Plan] = []  # the dynamic program's plan, made once
+    plans: dict[tuple[int, ...], list[Plan]] = {}  # candidates per placement: the looped schedules share theirs
     out = []
     for name in chosen:
         if name in ("zbv", "dualpipev") and (stages_per_worker != 2 or (name == "dualpipev" and microbatches < stages)):
             continue
         built = build(name, workers, microbatches, stages_per_worker if name not in ("zbv", "dualpipev") else None)
-        costs = _costs(sc, plan, profile, machine, [built.placement[s] for s in range(stages)])
-        timeline = simulate(built.schedule, costs, built.placement)
-        memory = _worker_memory(built.schedule, built.placement, sc.parameters, sc.activations)
-        out.append(Ranked(name, timeline.step_time / microbatches, timeline.bubble_fraction, memory,
-                          memory_bytes is None or max(memory) <= memory_bytes, stages_per_worker=stages_per_worker))
+        where = tuple(built.placement[s] for s in range(stages))
+        if where not in plans:
+            if given is not None:
+                plans[where] = [given]
+            else:  # balanced, and the program's own in case the schedule's bubbles or transfers favour it
+                plans[where] = [virtual_plan(profile, workers, stages_per_worker, bandwidth, schedule=name)]
+                if not program:
+                    program.append(_program_plan(profile, stages, bandwidth, workers, stages_per_worker))
+                if [s.layers for s in program[0].stages] != [s.layers for s in plans[where][0].stages]:
+                    plans[where].append(program[0])
+        candidates = []
+        for plan in plans[where]:
+            sc = _stage_costs(plan, profile, weight_fraction)
+            costs = _costs(sc, plan, profile, machine, [built.placement[s] for s in range(stages)])
+            timeline = simulate(built.schedule, costs, built.placement)
+            memory = _worker_memory(built.schedule, built.placement, sc.parameters, sc.activations)
+            candidates.append(Ranked(name, timeline.step_time / microbatches, timeline.bubble_fraction, memory,
+                                     memory_bytes is None or max(memory) <= memory_bytes,
+                                     stages_per_worker=stages_per_worker, plan=plan))
+        out.append(min(candidates, key=lambda r: (not r.fits, r.time_per_minibatch_s)))  # the balanced on a tie
     return sorted(out, key=lambda r: (not r.fits, r.time_per_minibatch_s))
 
 
-def virtual_plan(profile: Profile, workers: int, stages_per_worker: int, bandwidth: float) -> Plan:
-    """The plan of ``workers * stages_per_worker`` straight stages that the schedules of virtual stages run (on
-    ``workers`` processes) and :func:`rank_virtual` simulates. Raises :class:`PlanError` for a model with too few
-    cut points."""
+def _program_plan(profile: Profile, stages: int, bandwidth: float, workers: int, stages_per_worker: int) -> Plan:
     from .optimizer import partition
 
     try:
-        return partition(profile, workers * stages_per_worker, bandwidth, straight=True)
+        return partition(profile, stages, bandwidth, straight=True)
+    except PlanError as exc:
+        raise PlanError(f"{workers} workers x {stages_per_worker} stages: {exc}") from None
+
+
+def virtual_plan(profile: Profile, workers: int, stages_per_worker: int, bandwidth: float, *,
+                 schedule: str = "interleaved_1f1b") -> Plan:
+    """The plan of ``workers * stages_per_worker`` straight stages that ``schedule`` (one of :data:`VIRTUAL`)
+    runs on ``workers`` processes and :func:`rank_virtual` simulates: PipeDream's plan, balanced so that the
+    busiest process, the sum of its stages where the schedule places them, holds the least compute it can
+    (:mod:`partitioner.balance`; the looped schedules share one placement, the V schedules another). Raises
+    :class:`PlanError` for a model with too few cut points."""
+    from .balance import virtual_placement
+    from .optimizer import partition
+
+    processes = virtual_placement(schedule, workers, stages_per_worker)
+    try:
+        return partition(profile, workers * stages_per_worker, bandwidth, straight=True, processes=processes)
     except PlanError as exc:
         raise PlanError(f"{workers} workers x {stages_per_worker} stages: {exc}") from None
 

@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from partitioner.balance import virtual_placement
 from partitioner.plan import Plan, PlanError
 from profiler.profile import Profile
 
@@ -335,7 +336,8 @@ class PipelineTrainer:
         if plan.num_stages != stages and isinstance(schedule, str) and (self.profile is not None or
                                                                       storage is not None):
             # the job runs on another number of processes than the plan was made for: plan as many stages again
-            plan = replan_for_world(plan, self.profile, stages, rank=env.rank, storage=storage)
+            where = virtual_placement(schedule, env.world_size, stages // env.world_size)  # balanced across them
+            plan = replan_for_world(plan, self.profile, stages, rank=env.rank, storage=storage, processes=where)
         elif storage is not None:
             layout = virtual_layout(schedule, plan, env.world_size, config.flush_every)
             plan = self._replanned(plan, storage, make_mode(config.mode, config.flush_every, config.update_every,

@@ -41,8 +41,11 @@ def describe_plan(plan: Plan) -> str:
     return f"{plan.num_stages} stages: " + " ".join(f"[{ranges(s.layers)}]x{s.replicas}" for s in plan.stages)
 
 
-def replan(profile: Profile, world_size: int, settings: dict[str, Any]) -> Plan:
-    """PipeDream's plan for ``world_size`` workers, with the original plan's ``settings``."""
+def replan(profile: Profile, world_size: int, settings: dict[str, Any],
+           processes: Sequence[int] | None = None) -> Plan:
+    """PipeDream's plan for ``world_size`` workers, with the original plan's ``settings``; ``processes``: the
+    process of each of the ``world_size`` stages of a straight plan of several stages per process, balanced
+    across them (see :func:`partitioner.optimizer.partition`)."""
     from partitioner.optimizer import partition
 
     if world_size < 1:
@@ -68,12 +71,17 @@ def replan(profile: Profile, world_size: int, settings: dict[str, Any]) -> Plan:
             machine = None
         else:
             bandwidth = machine.bandwidth
-    return partition(profile, workers, bandwidth, straight=bool(settings.get("straight", False)),
-                     memory_bytes=float(memory) if memory is not None else None, machine=machine)
+    if processes is not None and len(workers) != 1:  # several stages per process plan one level
+        workers, bandwidth = [world_size], [min(bandwidth)]
+        if machine is not None and len(machine.levels) != 1:
+            machine = None
+    return partition(profile, workers, bandwidth, straight=bool(settings.get("straight", False)) or processes is not None,
+                     memory_bytes=float(memory) if memory is not None else None, machine=machine,
+                     processes=processes)
 
 
 def replan_for_world(plan: Plan, profile: Profile | None, world_size: int, *, rank: int,
-                     storage: Storage | None) -> Plan:
+                     storage: Storage | None, processes: Sequence[int] | None = None) -> Plan:
     """``plan`` was made for another world size: plan again for ``world_size`` from ``profile``, or from the
     profile stored beside the checkpoints in ``storage``; rank 0 says what changed. Raises :class:`PlanError`
     with neither, :class:`PipelineSetupError` if the stored profile is another model's."""
@@ -84,7 +92,7 @@ def replan_for_world(plan: Plan, profile: Profile | None, world_size: int, *, ra
         profile = load_stored_profile(storage)
         if profile.structure_hash() != plan.profile_hash:
             raise PipelineSetupError("the profile stored with the checkpoints is not this plan's model")
-    new = replan(profile, world_size, plan.settings)
+    new = replan(profile, world_size, plan.settings, processes)
     if rank == 0:
         msg = (f"world size {world_size} differs from the plan's {plan.world_size}: re-planned from "
                f"{describe_plan(plan)} to {describe_plan(new)}")

@@ -157,18 +157,18 @@ def consider(profile: Profile, plan: Plan, measured: dict[int, float], world_siz
     make one at least ``min_gain`` faster, else ``None``. A plan that cannot be made (memory) keeps the current one.
     ``placement``: the process of each stage, for several stages per process (see :func:`processes_of`); the new
     plan is then a straight one of as many stages (``world_size``), laid out the same way, and both are predicted
-    per process."""
+    per process, the new one balanced across the processes (:mod:`partitioner.balance`)."""
     corrected = corrected_profile(profile, plan, measured)
     where = processes_of(plan, placement)
     settings = plan.settings if where is None else {**plan.settings, "straight": True}
+    if where is not None and len(where) != world_size:
+        log.warning("re-planning: the layout places %d stages, not %d; keeping the current plan", len(where),
+                    world_size)
+        return None
     try:
-        new = replan(corrected, world_size, settings)
+        new = replan(corrected, world_size, settings, where)
     except PlanError as exc:
         log.warning("re-planning from the measured costs failed, keeping the current plan: %s", exc)
-        return None
-    if where is not None and new.num_stages != len(where):
-        log.warning("re-planning from the measured costs made %d stages, not the %d the layout places; keeping the "
-                    "current plan", new.num_stages, len(where))
         return None
     current = plan_time(corrected, plan, where)
     candidate = plan_time(corrected, new, where)
