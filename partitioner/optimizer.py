@@ -790,9 +790,10 @@ def _removed_compute(profile: Profile, layers: Sequence[int]) -> float:
 
 
 def _balanced(profile: Profile, states: AntichainStates, prob: LevelProblem, sol: LevelSolution,
-              processes: Sequence[int]) -> tuple[LevelSolution, float]:
+              processes: Sequence[int], overhead_s: float = 0.0) -> tuple[LevelSolution, float]:
     """``sol`` with its cuts balanced across ``processes`` (:func:`partitioner.balance.balance_bounds`) and the
-    busiest process's compute. Cut position ``b`` is the start (0) or after state ``b - 1``."""
+    busiest process's time: its compute, and ``overhead_s`` (the runtime's fixed cost) per stage it runs. Cut
+    position ``b`` is the start (0) or after state ``b - 1``."""
     from .balance import balance_bounds, process_loads
 
     compute = np.concatenate([[0.0], np.asarray(states.compute_s, dtype=np.float64) +
@@ -820,8 +821,8 @@ def _balanced(profile: Profile, states: AntichainStates, prob: LevelProblem, sol
                             lower_bound=sol.time_s)  # the program's optimum: no plan has a faster slowest stage
     cuts = [b - 1 for b in bounds[1:]]
     times = stage_times(prob, cuts, sol.replicas)
-    busiest = float(process_loads(compute, bounds, processes).max())
-    return LevelSolution(max(times), cuts, list(sol.replicas), times), busiest
+    loads = process_loads(compute, bounds, processes) + overhead_s * np.bincount(processes)
+    return LevelSolution(max(times), cuts, list(sol.replicas), times), float(loads.max())
 
 
 def partition(profile: Profile, workers: int | Sequence[int] | None,
@@ -940,7 +941,8 @@ def partition(profile: Profile, workers: int | Sequence[int] | None,
     sol = solve_level(prob, lower, upper)
     busiest = 0.0
     if sol is not None and processes is not None and len(workers) == 1 and len(sol.cuts) > 1:
-        sol, busiest = _balanced(search_profile, states, prob, sol, processes)
+        sol, busiest = _balanced(search_profile, states, prob, sol, processes,
+                                 machine.overhead_s if machine is not None else 0.0)
     if sol is None:
         if memory_bytes is not None:
             need = _smallest_memory(states, workers[0], bandwidth[0], straight)
@@ -996,7 +998,7 @@ def partition(profile: Profile, workers: int | Sequence[int] | None,
                             f"best plan does not give them, and without replication: {exc}") from None
     predicted = max(sol.time_s, busiest)
     if machine is not None:
-        predicted = _contended(profile, machine, workers, sol.time_s, stage_layers, settings)
+        predicted = _contended(profile, machine, workers, predicted, stage_layers, settings)
     return Plan.from_stages(
         stage_layers,
         replicas,

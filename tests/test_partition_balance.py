@@ -184,3 +184,12 @@ def test_the_inputs_the_search_takes_out_count_on_the_first_stage():
     assert 0 in plan.stages[0].layers
     assert busiest(prof, plan, LOOPED_2x2) == pytest.approx(brute_force([30.0 + ms[0]] + ms[1:], LOOPED_2x2) / 1e3)
     assert plan.time_per_minibatch_s == pytest.approx(busiest(prof, plan, LOOPED_2x2))
+
+
+def test_with_a_machine_the_busiest_process_pays_the_fixed_cost_of_each_of_its_stages():
+    from partitioner.machine import MachineLevel, MachineProfile
+
+    machine = MachineProfile((MachineLevel(4, 0.0, 1e12),), overhead_s=2e-3)
+    plan = partition(chain([12.0] * 6 + [48.0] * 2), None, processes=LOOPED_2x2, straight=True, machine=machine)
+    assert [list(s.layers) for s in plan.stages] == [[0, 1, 2], [3, 4, 5], [6], [7]]
+    assert plan.settings["pipeline_time_s"] == pytest.approx(0.084 + 2 * 2e-3)  # two stages' fixed cost each
