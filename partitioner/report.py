@@ -147,9 +147,10 @@ def format_plan(plan: Plan) -> str:
         assert record is not None
         lines.append(f"{stages} stages on {procs} processes, {stages // procs} each (where {record['name']} places "
                      "them); ms/minibatch: a stage's own forward and backward per minibatch (its compute, or its "
-                     "transfers where slower); a process runs its stages one after another: "
-                     + ", ".join(f"process {p} {_ms(sum(plan.stages[s].time_s for s in ss))}"
-                                 for p, ss in held.items()))
+                     "transfers where slower); a process runs its stages one after another, the sum of their "
+                     "times: " + ", ".join(f"process {p} {_ms(sum(plan.stages[s].time_s for s in ss))}"
+                                           for p, ss in held.items())
+                     + " (at most: where a stage's time is its transfers, they overlap the process's compute)")
     elif is_data_parallel(plan):
         lines.append(f"1 stage on {procs} processes (data parallelism); ms/minibatch: its time per minibatch, the "
                      "compute divided among the replicas plus their weight all-reduce")
