@@ -73,3 +73,31 @@ def test_a_rank_that_closes_at_once_does_not_cut_off_a_peer_still_connecting():
 
     for _ in range(24):
         assert run_world(_build_and_close_at_once, 2, 2, timeout=60) == {0: (True, 2), 1: (True, 2)}
+
+
+def _replica_flags(on_host: bool | None, flags: list[int]) -> tuple[bool, int | None]:
+    import os
+
+    rank = int(os.environ["RANK"])
+    host = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 2, rank == 0, timeout=timedelta(seconds=30))
+    group = CommGroup(dist.PrefixStore("epoch/", host), rank=rank, world_size=2, backend="gloo",
+                      device=torch.device("cpu"), timeout_s=30, replica_ranks=[0, 1], flags_on_host=on_host)
+    try:
+        started = group.replica_flags(flags[rank])
+        if started is None:
+            return group.flags_on_host, None
+        work, summed = started
+        assert work.wait() is not False and summed.device.type == "cpu"
+        return group.flags_on_host, int(summed[0])
+    finally:
+        group.close()
+
+
+def test_replicas_sum_their_cut_flags_on_the_host_only_where_asked_or_under_a_device_backend():
+    """Under gloo the flags travel with the gradients' all-reduce (nothing on the host); asked to (as under NCCL by
+    default), the replicas sum them over a gloo group of their own."""
+    from dist_helpers import run_world
+
+    assert run_world(_replica_flags, 2, None, [4, 0], timeout=60) == {0: (True, (False, None)),
+                                                                        1: (True, (False, None))}
+    assert run_world(_replica_flags, 2, True, [0, 6], timeout=60) == {0: (True, (True, 6)), 1: (True, (True, 6))}

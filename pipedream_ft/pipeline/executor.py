@@ -574,12 +574,20 @@ class Executor:
         flags = self.cuts.get(round_end, 0)
         if self.group.replica is not None:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in live]
-            # the flags filled on the device: a tensor built from a Python list would wait for the device to copy it
-            flat = torch.cat([g.reshape(-1) for g in grads] + [torch.full((1,), float(flags), device=self.device)])
+            on_host = self.group.flags_on_host
+            # else the flags are filled on the device: a tensor built from a Python list would wait for a copy
+            flat = torch.cat([g.reshape(-1) for g in grads] +
+                             ([] if on_host else [torch.full((1,), float(flags), device=self.device)]))
             work = self.group.replica_allreduce(flat)
-            self.messenger.wait(work, f"gradient all-reduce of update {round_} among replicas {list(topo.stage_ranks)}")
-            marks = int(float(flat[-1]))
-            flat = flat[:-1]
+            among = f"update {round_} among replicas {list(topo.stage_ranks)}"
+            if on_host:  # the sum of the flags on the host, while the device reduces the gradients
+                flag_work, summed = self.group.replica_flags(flags)  # type: ignore[misc]
+                self.messenger.wait(flag_work, f"cut flags of {among}")
+                marks = int(summed[0])
+            self.messenger.wait(work, f"gradient all-reduce of {among}")
+            if not on_host:
+                marks = int(float(flat[-1]))
+                flat = flat[:-1]
             if self.mode.asynchronous:
                 flat /= topo.replicas[topo.stage]
             offset = 0

@@ -7,7 +7,9 @@ that a recovery can abort them and build fresh ones without touching process-wid
 * ``world``: every rank. Point-to-point transfers (gloo matches them by tag) and, under gloo, the small
   collectives of setup (agreeing on a checkpoint, gathering losses and weights).
 * ``control`` (NCCL only): a gloo group over every rank for those small collectives, on the CPU.
-* one group per replicated stage, made by its members only, for the gradient all-reduce.
+* one group per replicated stage, made by its members only, for the gradient all-reduce; under NCCL also a gloo
+  group of the same members (``replica_flags``), for the cut flags the replicas tell each other at each update,
+  so that no host waits for its device to read them out of the reduced gradients.
 * under NCCL, one two-rank group per link and direction (see :meth:`CommGroup.__init__`).
 
 :meth:`CommGroup.abort` cancels everything pending (a failure); :meth:`CommGroup.close` shuts the groups
@@ -71,8 +73,12 @@ class CommGroup:
 
     def __init__(self, store: dist.Store, *, rank: int, world_size: int, backend: str, device: torch.device,
                  timeout_s: float, links: Iterable[tuple[int, str]] = (), replica_ranks: Sequence[int] | None = None,
-                 cancelled: Callable[[], bool] | None = None, poll_s: float = 0.01) -> None:
-        """``cancelled`` (a recovery's groups): asked every ``poll_s`` while the connections are being made; once
+                 cancelled: Callable[[], bool] | None = None, poll_s: float = 0.01,
+                 flags_on_host: bool | None = None) -> None:
+        """``flags_on_host``: a replicated stage's replicas sum their cut flags on the host, over a gloo group of
+        their own (:meth:`replica_flags`; default: under a device backend, where reading them out of the gradients'
+        all-reduce would wait for the device), not as one more element of the gradients' all-reduce.
+        ``cancelled`` (a recovery's groups): asked every ``poll_s`` while the connections are being made; once
         it returns ``True`` (the epoch failed: a peer died meanwhile) the construction is abandoned and
         :class:`GroupError` raised at once, instead of waiting ``timeout_s`` for a peer that will never come. It
         must not use ``store``'s connection (the construction holds it while it waits for the peers)."""
@@ -89,6 +95,8 @@ class CommGroup:
         self.control: Any = None
         self.replica: Any = None
         self.replica_ranks = tuple(replica_ranks or ())
+        self.flags_on_host = backend != "gloo" if flags_on_host is None else bool(flags_on_host)
+        self._replica_flags: Any = None
         self._links: dict[tuple[int, str], tuple[Any, int]] = {}
         links = list(links)
         if cancelled is None:
@@ -105,6 +113,9 @@ class CommGroup:
             name = "-".join(map(str, self.replica_ranks))
             self.replica = self._make(backend, dist.PrefixStore(f"replica/{name}/", store),
                                       self.replica_ranks.index(rank), len(self.replica_ranks))
+            if self.flags_on_host:
+                self._replica_flags = self._make("gloo", dist.PrefixStore(f"replica-flags/{name}/", store),
+                                                 self.replica_ranks.index(rank), len(self.replica_ranks))
         if backend == "nccl":
             for peer, channel in links:
                 low, high = sorted((rank, peer))
@@ -193,6 +204,18 @@ class CommGroup:
         except RuntimeError as exc:
             raise GroupError(f"cannot start the replicas' all-reduce: {backend_reason(exc)}") from None
 
+    def replica_flags(self, flags: int) -> tuple[Any, torch.Tensor] | None:
+        """Start the sum of ``flags`` over this stage's replicas on the host (see ``flags_on_host``): returns the
+        work to wait for and the CPU tensor that then holds the sum; ``None`` when the flags travel with the
+        gradients instead."""
+        if self._replica_flags is None:
+            return None
+        out = torch.tensor([flags], dtype=torch.int64)
+        try:
+            return self._replica_flags.allreduce([out]), out
+        except RuntimeError as exc:
+            raise GroupError(f"cannot start the replicas' sum of cut flags: {backend_reason(exc)}") from None
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), in rank order. A collective over the control group, on the CPU."""
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
@@ -238,5 +261,5 @@ class CommGroup:
                 pass
         self._groups.clear()
         self._links.clear()
-        self.world = self.control = self.replica = None
+        self.world = self.control = self.replica = self._replica_flags = None
         self.closed = True
