@@ -116,22 +116,26 @@ def replicated_case(steps: int) -> list[float]:
     return trainer.train(repeating_data, steps).losses
 
 
-def replicated_cuts_case(steps: int, mode: str, ckpt: str) -> dict[str, Any]:
-    """The middle stage replicated on two ranks, a checkpoint every 4 minibatches: each cut's flags reach one of
-    the replicas in a header, and the other learns them at the update they share."""
+def replicated_cuts_case(steps: int, modes: list[str], ckpt: str) -> dict[str, dict[str, Any]]:
+    """The middle stage replicated on two ranks, a checkpoint every 4 minibatches (under ``ckpt/<mode>``), in each
+    of ``modes`` in turn: each cut's flags reach one of the replicas in a header, and the other learns them at the
+    update they share."""
     from pipedream_ft import CheckpointConfig, EveryNSteps, PipelineConfig, PipelineTrainer
 
-    model = mlp()
-    plan = plan_for(model, [[0, 1, 2, 3], [4, 5, 6], [7, 8]], [1, 2, 1])
-    trainer = PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=sgd,
-                              config=PipelineConfig(mode=mode, flush_every=4, timeout_s=60, summary=False),
-                              checkpoint=CheckpointConfig(url=ckpt, policy=EveryNSteps(4), defer_when_behind=False))
-    result = trainer.train(data, steps)
-    assert trainer.ckpt is not None
-    trainer.ckpt.flush_durable(timeout=60)
-    state = trainer.full_state_dict()
-    trainer.close()
-    return {"state": state, "losses": result.losses}
+    out = {}
+    for mode in modes:
+        model = mlp()
+        plan = plan_for(model, [[0, 1, 2, 3], [4, 5, 6], [7, 8]], [1, 2, 1])
+        trainer = PipelineTrainer(model, plan, loss_fn=nn.functional.cross_entropy, optimizer_factory=sgd,
+                                  config=PipelineConfig(mode=mode, flush_every=4, timeout_s=60, summary=False),
+                                  checkpoint=CheckpointConfig(url=f"{ckpt}/{mode}", policy=EveryNSteps(4),
+                                                              defer_when_behind=False))
+        result = trainer.train(data, steps)
+        assert trainer.ckpt is not None
+        trainer.ckpt.flush_durable(timeout=60)
+        out[mode] = {"state": trainer.full_state_dict(), "losses": result.losses}
+        trainer.close()
+    return out
 
 
 def bad_input_case(kind: str) -> None:

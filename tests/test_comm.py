@@ -113,22 +113,23 @@ def _as_under_nccl(host: bool, case, *args):
     return _headers(host, case, *args)
 
 
-@pytest.mark.parametrize("mode", ["stash", "flush"])
 def test_a_replicated_stage_summing_its_cut_flags_on_the_host_trains_and_checkpoints_bitwise_as_on_its_device(
-        mode, tmp_path):
+        tmp_path):
     """A checkpoint every 4 minibatches reaches one replica of the middle stage in a header; the other learns it
     at their shared update, from the gradients' all-reduce, or (as under NCCL) from a sum over a gloo group of
-    their own: the same losses, weights and checkpoints either way."""
+    their own: the same losses, weights and checkpoints either way, asynchronous (stash) and flush."""
     from runtime_cases import replicated_cuts_case
 
-    runs = [run_world(_as_under_nccl, 4, host, replicated_cuts_case, 16, mode, str(tmp_path / name), timeout=200)
+    modes = ["stash", "flush"]
+    runs = [run_world(_as_under_nccl, 4, host, replicated_cuts_case, 16, modes, str(tmp_path / name), timeout=240)
             for host, name in ((False, "device"), (True, "host"))]
-    (_, device), (_, host) = runs[0][3], runs[1][3]
-    assert host["losses"] == device["losses"] and len(device["losses"]) == 16
-    assert all(torch.equal(host["state"][k], v) for k, v in device["state"].items())
-    listed = [sorted(str(p.relative_to(tmp_path / name)) for p in (tmp_path / name).rglob("*") if p.is_file())
-              for name in ("device", "host")]
-    assert listed[0] == listed[1] and any("16" in p for p in listed[0]), listed
+    for mode in modes:
+        device, host = runs[0][3][1][mode], runs[1][3][1][mode]
+        assert host["losses"] == device["losses"] and len(device["losses"]) == 16, mode
+        assert all(torch.equal(host["state"][k], v) for k, v in device["state"].items()), mode
+        listed = [sorted(str(p.relative_to(tmp_path / name / mode)) for p in (tmp_path / name / mode).rglob("*")
+                         if p.is_file()) for name in ("device", "host")]
+        assert listed[0] == listed[1] and any("16" in p for p in listed[0]), (mode, listed)
 
 
 @pytest.mark.parametrize("mode", ["vertical", "flush"])
