@@ -32,6 +32,7 @@ def torchrun_command(ckpt: str, out: Path, *, sleep_ms: float = 5.0, restarts: i
                      storage_options: dict | None = None, rdzv_id: str | None = None,
                      extra: tuple[str, ...] = (), timeout_s: float = 8) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", f"--max-restarts={restarts}",
+           "--run-path", "--start-method", "fork",  # as the README advises for restarts: no fresh import of torch
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--monitor-interval", "0.5",
            *(["--rdzv-id", rdzv_id] if rdzv_id else []),
            str(WORKER), "--ckpt", ckpt, "--total", str(TOTAL), "--every", str(EVERY), "--out", str(out),
