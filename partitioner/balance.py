@@ -29,7 +29,7 @@ import numpy as np
 
 from .plan import PlanError
 
-__all__ = ["balance_bounds", "process_loads", "virtual_placement"]
+__all__ = ["balance_bounds", "layers_compute", "process_loads", "virtual_placement"]
 
 _LOOPED = ("interleaved_1f1b", "interleaved_zero_bubble", "looped_bfs")
 _V_SHAPED = ("zbv", "dualpipev")
@@ -52,6 +52,12 @@ def virtual_placement(schedule: str, workers: int, stages_per_worker: int) -> li
         raise PlanError(f"schedule {schedule!r} does not place several stages per process: expected one of "
                         f"{', '.join(_LOOPED + _V_SHAPED)}")
     return [where[s] for s in range(len(where))]
+
+
+def layers_compute(profile: Any, layers: Sequence[int]) -> float:
+    """The compute (forward and backward, seconds) of ``profile``'s ``layers``: the inputs the search takes out of
+    its states, which always join the first stage."""
+    return sum((profile.layers[i].forward_ms + profile.layers[i].backward_ms) / 1000.0 for i in layers)
 
 
 def process_loads(compute: np.ndarray, bounds: Sequence[int], processes: Sequence[int]) -> np.ndarray:

@@ -570,7 +570,7 @@ def plan_chain(profile: Profile, con, workers: Sequence[int], bandwidth: Sequenc
             "the outer levels or fewer levels")
     predicted = sol.time_s
     if processes is not None and len(workers) == 1 and len(sol.bounds) > 2:
-        from .balance import balance_bounds, process_loads
+        from .balance import balance_bounds, layers_compute, process_loads
 
         ch = _Chain(cs, workers, bandwidth, straight)
 
@@ -580,8 +580,7 @@ def plan_chain(profile: Profile, con, workers: Sequence[int], bandwidth: Sequenc
             later = (np.asarray(lo) > 0) & (np.asarray(hi) < ch.S)  # the first stage pays no transfer
             return np.where(later, np.maximum(t, cost.transfer_time(ch.o[hi], 1, ch.B[0])), t)
 
-        first = sum((con.profile.layers[i].forward_ms + con.profile.layers[i].backward_ms) / 1000.0
-                    for i in cs.removed_inputs)  # the inputs taken out of the search join the first stage
+        first = layers_compute(con.profile, cs.removed_inputs)  # the inputs taken out join the first stage
         compute = cs.compute + np.where(np.arange(len(cs.compute)) > 0, first, 0.0)
         bounds = balance_bounds(compute, sol.bounds, processes, lambda lo, hi: np.arange(lo + 1, hi), stage_time,
                                 lower_bound=sol.time_s)

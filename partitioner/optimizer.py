@@ -784,20 +784,15 @@ def _contended(profile: Profile, machine: MachineProfile, workers: list[int], pi
     return max(pipeline_s, bound)
 
 
-def _removed_compute(profile: Profile, layers: Sequence[int]) -> float:
-    """The compute of ``layers`` (the inputs the search takes out: they join the first stage)."""
-    return sum((profile.layers[i].forward_ms + profile.layers[i].backward_ms) / 1000.0 for i in layers)
-
-
 def _balanced(profile: Profile, states: AntichainStates, prob: LevelProblem, sol: LevelSolution,
               processes: Sequence[int], overhead_s: float = 0.0) -> tuple[LevelSolution, float]:
     """``sol`` with its cuts balanced across ``processes`` (:func:`partitioner.balance.balance_bounds`) and the
     busiest process's time: its compute, and ``overhead_s`` (the runtime's fixed cost) per stage it runs. Cut
     position ``b`` is the start (0) or after state ``b - 1``."""
-    from .balance import balance_bounds, process_loads
+    from .balance import balance_bounds, layers_compute, process_loads
 
     compute = np.concatenate([[0.0], np.asarray(states.compute_s, dtype=np.float64) +
-                              _removed_compute(profile, states.removed_inputs)])  # inputs: always stage 0
+                              layers_compute(profile, states.removed_inputs)])  # inputs: always stage 0
     prec = states.precedes
 
     def between(lo: int, hi: int) -> np.ndarray:

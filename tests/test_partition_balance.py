@@ -131,17 +131,27 @@ def test_a_cut_does_not_move_where_a_transfer_slows_the_pipeline_more_than_balan
     assert plan.time_per_minibatch_s == pytest.approx(0.096)
 
 
+def with_input(ms: list[float], input_ms: float) -> Profile:
+    """:func:`chain` after an ``Input`` layer of ``input_ms`` (as PipeDream's profiles time theirs)."""
+    layers = (Layer("input", "Input", input_ms, 0.0, 0.0, 0.0),) + tuple(
+        Layer(str(i), "Linear", m / 3, 2 * m / 3, 0.0, 0.0) for i, m in enumerate(ms))
+    return Profile(layers, tuple((i, i + 1) for i in range(len(ms))))
+
+
 def test_the_chain_path_balances_as_the_general_path_does(monkeypatch):
     rng = random.Random(11)
     ms = [rng.uniform(1, 4) for _ in range(40)] + [30.0, 30.0]
     where = virtual_placement("zbv", 3, 2)
-    general = partition(chain(ms), 6, 1e9, straight=True, processes=where)
-    monkeypatch.setattr(chain_path, "CHAIN_MIN_STATES", 1)
-    scalable = partition(chain(ms), 6, 1e9, straight=True, processes=where)
-    dp = partition(chain(ms), 6, 1e9, straight=True)
-    assert busiest(chain(ms), scalable, where) == pytest.approx(busiest(chain(ms), general, where))
-    assert busiest(chain(ms), scalable, where) < busiest(chain(ms), dp, where)
-    assert scalable.time_per_minibatch_s == pytest.approx(general.time_per_minibatch_s)
+    for prof in (chain(ms), with_input(ms, 20.0)):
+        general = partition(prof, 6, 1e9, straight=True, processes=where)
+        monkeypatch.setattr(chain_path, "CHAIN_MIN_STATES", 1)
+        scalable = partition(prof, 6, 1e9, straight=True, processes=where)
+        monkeypatch.undo()
+        dp = partition(prof, 6, 1e9, straight=True)
+        assert busiest(prof, scalable, where) == pytest.approx(busiest(prof, general, where))
+        assert busiest(prof, scalable, where) < busiest(prof, dp, where)
+        assert scalable.time_per_minibatch_s == pytest.approx(general.time_per_minibatch_s)
+        assert scalable.time_per_minibatch_s == pytest.approx(busiest(prof, scalable, where))
 
 
 def test_processes_are_refused_where_they_cannot_apply_and_ignored_under_a_memory_limit():
@@ -177,9 +187,7 @@ def test_the_ranking_simulates_each_placement_on_its_own_balanced_plan():
 def test_the_inputs_the_search_takes_out_count_on_the_first_stage():
     """PipeDream's profiles give their ``Input`` layer time (resnet50's: 19 ms); it always runs on stage 0."""
     ms = [12.0] * 6 + [48.0] * 2
-    layers = (Layer("input", "Input", 30.0, 0.0, 0.0, 0.0),) + tuple(
-        Layer(str(i), "Linear", m / 3, 2 * m / 3, 0.0, 0.0) for i, m in enumerate(ms))
-    prof = Profile(layers, tuple((i, i + 1) for i in range(len(ms))))
+    prof = with_input(ms, 30.0)
     plan = partition(prof, 4, 1e9, straight=True, processes=LOOPED_2x2)
     assert 0 in plan.stages[0].layers
     assert busiest(prof, plan, LOOPED_2x2) == pytest.approx(brute_force([30.0 + ms[0]] + ms[1:], LOOPED_2x2) / 1e3)
