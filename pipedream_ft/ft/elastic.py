@@ -75,7 +75,8 @@ def replan(profile: Profile, world_size: int, settings: dict[str, Any],
         workers, bandwidth = [world_size], [min(bandwidth)]
         if machine is not None and len(machine.levels) != 1:
             machine = None
-    return partition(profile, workers, bandwidth, straight=bool(settings.get("straight", False)) or processes is not None,
+    straight = bool(settings.get("straight", False)) or processes is not None  # several per process: straight
+    return partition(profile, workers, bandwidth, straight=straight,
                      memory_bytes=float(memory) if memory is not None else None, machine=machine,
                      processes=processes)
 
