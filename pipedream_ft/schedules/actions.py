@@ -78,10 +78,10 @@ class Action:
     def trusted(stage: int, kind: Kind, index: int) -> "Action":
         """The action of values known to be valid (a pass deriving it from a checked one), made without checking
         them again: the generators and passes make thousands."""
-        action = object.__new__(Action)
-        object.__setattr__(action, "stage", stage)
-        object.__setattr__(action, "kind", kind)
-        object.__setattr__(action, "index", index)
+        action = _new(Action)
+        _set_stage(action, stage)  # the slots' own setters: a frozen dataclass refuses setattr
+        _set_kind(action, kind)
+        _set_index(action, index)
         return action
 
     def __str__(self) -> str:
@@ -95,6 +95,11 @@ class Action:
         """The action ``text`` spells (``str(action)`` parsed back)."""
         return parse_action(text)
 
+
+_new = object.__new__
+_set_stage = Action.stage.__set__  # type: ignore[attr-defined]
+_set_kind = Action.kind.__set__  # type: ignore[attr-defined]
+_set_index = Action.index.__set__  # type: ignore[attr-defined]
 
 Schedule = Mapping[int, Sequence[Union[Action, None]]]
 """rank -> the actions it runs in order (``None``: an idle slot, skipped when running)."""

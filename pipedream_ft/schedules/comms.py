@@ -164,13 +164,20 @@ def lower_rank(rank: int, actions: Sequence[Action | None], placement: Placement
 
     Every send follows the action that produces it, and :func:`post_receives_early` moves every ``RECV_F`` to a
     place that ``rank``'s own forwards decide, and every ``RECV_B`` too when each stage of ``rank`` that receives
-    gradients runs its backwards in the order of its forwards: then nothing of the other ranks' lists is needed, and lowering a
-    run costs each process its own actions instead of every rank's (the pure tests check that the lists are the
-    same). Otherwise (a stage's ``RECV_B`` stays where its send placed it) this returns ``None``. The schedule's
-    deadlock check is not repeated here: the modes' generators and every table (at load) are checked whole."""
+    gradients runs its backwards in the order of its forwards: then nothing of the other ranks' lists is needed,
+    and lowering a run costs each process its own actions instead of every rank's (the pure tests check that the
+    lists are the same). Otherwise (a stage's ``RECV_B`` stays where its send placed it) this returns ``None``.
+    The schedule's deadlock check is not repeated here: the modes' generators and every table (at load) are
+    checked whole.
+
+    Two passes over ``actions``, each message made once: a run of many minibatches is lowered before it starts,
+    so this is on the way to the first forward (see ``benchmarks/bench_lowering.py``)."""
     where = as_replicated(placement)
-    last = where.num_stages - 1
-    lowered: list[Action] = []
+    ranks = where.ranks
+    last = len(ranks) - 1
+    F, U, B, I = Kind.F, Kind.U, Kind.B, Kind.I  # locals: an enum member read off its class is slow
+    RECV_F, SEND_F, RECV_B, SEND_B = Kind.RECV_F, Kind.SEND_F, Kind.RECV_B, Kind.SEND_B
+    own: list[Action] = []
     forwards: dict[int, list[int]] = {}
     backwards: dict[int, list[int]] = {}
     receiving: set[int] = set()
@@ -181,22 +188,60 @@ def lower_rank(rank: int, actions: Sequence[Action | None], placement: Placement
         kind, s, m = a.kind, a.stage, a.index
         if kind in COMMUNICATION:
             raise ScheduleError(f"rank {rank}'s schedule already has communication ({a})")
-        if kind is Kind.U or s > last or where.rank(s, m) != rank:
+        if kind is U or s > last:
             where.check(a, rank)  # raises unless an update of a stage the rank holds
-        if kind is Kind.F:
+        else:
+            held = ranks[s]
+            if held[m % len(held)] != rank:
+                where.check(a, rank)  # raises
+        own.append(a)
+        if kind is F:
             forwards.setdefault(s, []).append(m)
-            if s > 0 and where.rank(s - 1, m) != rank:
-                lowered.append(Action.trusted(s, Kind.RECV_F, m))
-        elif kind in BACKWARD:
+        elif kind is B or kind is I:
             backwards.setdefault(s, []).append(m)
-            if s < last and where.rank(s + 1, m) != rank:
-                lowered.append(Action.trusted(s, Kind.RECV_B, m))
-                receiving.add(s)
-        lowered.append(a)
-        if kind is not Kind.U:
-            message = _messages(a, where)
-            if message is not None:
-                lowered.append(message[0])
-    if any(backwards.get(s, f) != f for s, f in forwards.items() if s in receiving):
+            if s < last:
+                held = ranks[s + 1]
+                if held[m % len(held)] != rank:
+                    receiving.add(s)
+    # a stage that runs its backwards in its forwards' order has each gradient's receive posted right after its
+    # activation's send (post_receives_early); a receiving stage that does not makes the list depend on the others
+    in_order = {s for s, f in forwards.items() if backwards.get(s, f) == f}
+    if any(s not in in_order for s in receiving if s in forwards):
         return None
-    return post_receives_early({rank: lowered})[rank]
+    after_send = {s for s in in_order if s in backwards}
+    """Stages whose gradient receives follow their activations' sends."""
+    made = Action.trusted
+    following = {s: iter(f[1:]) for s, f in forwards.items()}
+    """Per stage, the forward after the one being placed: its input's receive goes before this one."""
+    lowered: list[Action] = []
+    put = lowered.append
+    for a in own:
+        kind, s, m = a.kind, a.stage, a.index
+        if kind is F:
+            if s > 0:
+                prev = ranks[s - 1]
+                if m == forwards[s][0] and prev[m % len(prev)] != rank:
+                    put(made(s, RECV_F, m))
+                nxt = next(following[s], None)
+                if nxt is not None and prev[nxt % len(prev)] != rank:
+                    put(made(s, RECV_F, nxt))
+            put(a)
+            if s < last:
+                held = ranks[s + 1]
+                if held[m % len(held)] != rank:
+                    put(made(s, SEND_F, m))
+                    if s in after_send:
+                        put(made(s, RECV_B, m))
+        elif kind is B or kind is I:
+            if s < last and s not in after_send:
+                held = ranks[s + 1]
+                if held[m % len(held)] != rank:
+                    put(made(s, RECV_B, m))
+            put(a)
+            if s > 0:
+                prev = ranks[s - 1]
+                if prev[m % len(prev)] != rank:
+                    put(made(s, SEND_B, m))
+        else:
+            put(a)
+    return lowered

@@ -29,6 +29,10 @@ from .actions import Action, Kind
 __all__ = ["in_flight", "replica_minibatches", "async_1f1b", "flushing", "SYNCHRONOUS", "synchronous",
            "double_buffered"]
 
+_made = Action.trusted
+_F, _B, _U = Kind.F, Kind.B, Kind.U
+"""Read once: an enum member read off its class costs a lookup, and a run of many minibatches makes many."""
+
 
 def in_flight(stage: int, replicas: Sequence[int]) -> int:
     """How many minibatches one replica of ``stage`` keeps in flight in steady state."""
@@ -54,12 +58,12 @@ def async_1f1b(stage: int, replica: int, replicas: Sequence[int], start: int, st
     mine = replica_minibatches(replica, replicas[stage], start, stop)
     k = min(in_flight(stage, replicas), len(mine))
     first_round = start // replicas[stage]
-    actions = [Action.trusted(stage, Kind.F, b) for b in mine[:k]]
+    actions = [_made(stage, _F, b) for b in mine[:k]]
     for i, b in enumerate(mine):
-        actions.append(Action.trusted(stage, Kind.B, b))
-        actions.append(Action.trusted(stage, Kind.U, first_round + i))
+        actions.append(_made(stage, _B, b))
+        actions.append(_made(stage, _U, first_round + i))
         if i + k < len(mine):
-            actions.append(Action.trusted(stage, Kind.F, mine[i + k]))
+            actions.append(_made(stage, _F, mine[i + k]))
     return actions
 
 
@@ -70,12 +74,12 @@ def flushing(stage: int, replica: int, replicas: Sequence[int], start: int, stop
     for w in range(start // window, stop // window):
         mine = replica_minibatches(replica, replicas[stage], w * window, (w + 1) * window)
         k = min(in_flight(stage, replicas), len(mine))
-        actions += [Action.trusted(stage, Kind.F, b) for b in mine[:k]]
+        actions += [_made(stage, _F, b) for b in mine[:k]]
         for i, b in enumerate(mine):
-            actions.append(Action.trusted(stage, Kind.B, b))
+            actions.append(_made(stage, _B, b))
             if i + k < len(mine):
-                actions.append(Action.trusted(stage, Kind.F, mine[i + k]))
-        actions.append(Action.trusted(stage, Kind.U, w))
+                actions.append(_made(stage, _F, mine[i + k]))
+        actions.append(_made(stage, _U, w))
     return actions
 
 
@@ -104,7 +108,7 @@ def synchronous(name: str, stage: int, replica: int, replicas: Sequence[int], st
     actions: list[Action] = []
     for w in range(start // window, stop // window):
         actions += [Action.trusted(stage, a.kind, w * window + a.index) for a in order]
-        actions.append(Action.trusted(stage, Kind.U, w))
+        actions.append(_made(stage, _U, w))
     return actions
 
 
@@ -115,13 +119,13 @@ def double_buffered(stage: int, replica: int, replicas: Sequence[int], start: in
     _check_windows(start, stop, replicas, window)
     mine = replica_minibatches(replica, replicas[stage], start, stop)
     k = min(in_flight(stage, replicas), len(mine))
-    actions = [Action.trusted(stage, Kind.F, b) for b in mine[:k]]
+    actions = [_made(stage, _F, b) for b in mine[:k]]
     for i, b in enumerate(mine):
-        actions.append(Action.trusted(stage, Kind.B, b))
+        actions.append(_made(stage, _B, b))
         if (b + replicas[stage]) // window != b // window:  # this replica's last of the window
-            actions.append(Action.trusted(stage, Kind.U, b // window))
+            actions.append(_made(stage, _U, b // window))
         if i + k < len(mine):
-            actions.append(Action.trusted(stage, Kind.F, mine[i + k]))
+            actions.append(_made(stage, _F, mine[i + k]))
     return actions
 
 

@@ -119,9 +119,12 @@ class WindowSchedule:
         projection on a stage is :meth:`actions` of that stage."""
         m = self._windows(start, stop)
         out: list[Action] = []
+        made, update = Action.trusted, Kind.U  # shifts of checked actions: a run of many windows makes many
+        row, stages = [(a.stage, a.kind, a.index) for a in self.rows[rank]], self.stages_of(rank)
         for w in range(start // m, stop // m):
-            out += [Action(a.stage, a.kind, w * m + a.index) for a in self.rows[rank]]
-            out += [Action(s, Kind.U, w) for s in self.stages_of(rank)]
+            base = w * m
+            out += [made(s, k, base + i) for s, k, i in row]
+            out += [made(s, update, w) for s in stages]
         return out
 
     def actions(self, stage: int, start: int, stop: int) -> list[Action]:
@@ -129,9 +132,12 @@ class WindowSchedule:
         minibatches shifted into place, then the window's update."""
         m = self._windows(start, stop)
         out: list[Action] = []
+        made, update = Action.trusted, Kind.U
+        order = [(a.kind, a.index) for a in self.orders[stage]]
         for w in range(start // m, stop // m):
-            out += [Action(stage, a.kind, w * m + a.index) for a in self.orders[stage]]
-            out.append(Action(stage, Kind.U, w))
+            base = w * m
+            out += [made(stage, k, base + i) for k, i in order]
+            out.append(made(stage, update, w))
         return out
 
     def _windows(self, start: int, stop: int) -> int:
