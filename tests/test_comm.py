@@ -97,6 +97,24 @@ def test_a_packing_keeps_every_tensor_aligned_and_refuses_a_large_message():
     assert Packing.of([TensorSpec((PACK_LIMIT // 4 + 1,), torch.float32)]) is None
 
 
+
+def test_a_packed_message_made_on_the_host_is_the_one_made_of_tensors_and_unpacks_to_its_tensors():
+    from pipedream_ft.pipeline.comm import _encode, _template
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(3, 5, generator=g).to(torch.float16), torch.randn((), generator=g),
+               torch.tensor([True, False]), torch.zeros(0, 4, dtype=torch.int64),
+               torch.randn(2, 2, generator=g).to(torch.bfloat16).requires_grad_(),
+               torch.randn(4, 6, generator=g).t()]  # not contiguous
+    specs = [TensorSpec.of(t) for t in tensors]
+    p, header = Packing.of(specs), Header(7, 3, 2)
+    assert p is not None
+    host = p.pack_host(_template(specs), header, tensors)
+    made = p.pack(_encode(header, specs, torch.device("cpu"), _template(specs)), tensors)
+    assert host.dtype == torch.uint8 and torch.equal(host, made)
+    back = p.unpack(host, specs)
+    assert all(torch.equal(a, b.detach()) and a.dtype == b.dtype for a, b in zip(back, tensors))
+
 def _headers(host: bool, case, *args):
     """``case(*args)`` on this rank, every messenger sending its headers on the host (as under NCCL) if ``host``."""
     from pipedream_ft.pipeline import comm

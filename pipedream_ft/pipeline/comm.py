@@ -191,6 +191,19 @@ class Packing:
                 chunks.append(torch.zeros(pad, dtype=torch.uint8, device=header.device))
         return torch.cat(chunks)
 
+    def pack_host(self, template: np.ndarray, header: Header, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """:meth:`pack` of CPU ``tensors`` with the header written straight into the buffer (``template``, see
+        :func:`_template`, with ``header``'s three fields): one allocation and one copy per tensor, no
+        concatenation. The padding is zeros."""
+        arr = np.zeros(self.size, dtype=np.uint8)
+        fields = arr[:_HEADER_BYTES].view(np.int64)
+        fields[:] = template
+        fields[1], fields[2], fields[3] = header.minibatch, header.tag, header.flags
+        for t, o, n in zip(tensors, self.offsets, self.nbytes):
+            if n:
+                arr[o: o + n] = t.detach().reshape(-1).view(torch.uint8).numpy()
+        return torch.from_numpy(arr)
+
     def unpack(self, buf: torch.Tensor, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
         """The tensors of a received buffer (views of it)."""
         return [buf[o: o + n].view(spec.dtype).view(spec.shape)
@@ -320,8 +333,14 @@ class Messenger:
                 template = self._templates[peer] = _template(specs)
         else:
             template = None
-        buf = _encode(header, specs, self._header_device, template)
         link, base = _CHANNELS[channel]
+        if packing is not None and self.device.type == "cpu":  # the common case on the CPU: one buffer, made once
+            assert template is not None
+            self._isend(packing.pack_host(template, header, tensors), peer,
+                        base + _tag(self._code(header.minibatch, self._stage), 0),
+                        f"activation of minibatch {header.minibatch}", self._link(link, self._stage))
+            return
+        buf = _encode(header, specs, self._header_device, template)
         header_link = self._link("hdr" if self.host_headers else link, self._stage)
         link = self._link(link, self._stage)
         code = self._code(header.minibatch, self._stage)

@@ -36,8 +36,11 @@ class Structure:
     def split(values: Sequence[Any]) -> tuple[Structure, list[torch.Tensor]]:
         """The structure of ``values`` and their tensor leaves, in order."""
         if all(isinstance(v, torch.Tensor) for v in values):
-            _, spec = tree_flatten(list(values))
-            return Structure(spec, (), True), list(values)
+            plain = _PLAIN.get(len(values))
+            if plain is None:  # made once per count: a stage's outputs have the same structure every minibatch
+                _, spec = tree_flatten(list(values))
+                plain = _PLAIN[len(values)] = Structure(spec, (), True)
+            return plain, list(values)
         leaves, spec = tree_flatten(list(values))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         constants = tuple((i, x) for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor))
@@ -65,6 +68,10 @@ class Structure:
                 f"{minibatch}: {_describe(other)} instead of {_describe(self)} at the pre-flight; the layers "
                 "must return the same containers and constants for every minibatch"
             )
+
+
+_PLAIN: dict[int, Structure] = {}
+"""The structure of ``n`` plain tensors, by ``n``."""
 
 
 def _structure(spec: str, constants: tuple[tuple[int, Any], ...], plain: bool) -> Structure:

@@ -123,6 +123,8 @@ LABELS = "labels"
 
 def split_batch(batch: Any, b: int, name: str) -> tuple[Any, Any]:
     """``(inputs, targets)`` of minibatch ``b`` (a pair, or a dict whose ``"labels"`` are the targets)."""
+    if type(batch) is tuple and len(batch) == 2:  # the common case, before the slower check against Mapping
+        return batch[0], batch[1]
     if isinstance(batch, Mapping):
         if LABELS not in batch:
             raise PipelineSetupError(f"minibatch {b} of data source {name} is a dict without {LABELS!r} (its keys: "

@@ -103,6 +103,8 @@ _RUNS = {Kind.B: "backward", Kind.I: "backward_input", Kind.W: "backward_weight"
          Kind.RECV_F: "post_activation_recv", Kind.SEND_F: "send_activations", Kind.RECV_B: "post_gradient_recv",
          Kind.SEND_B: "send_input_grads"}
 """The method that runs each action kind besides ``F`` (which also reads the feed)."""
+_F = Kind.F
+"""Read once: an enum member read off its class costs a lookup, and every action asks."""
 
 
 def mix_seed(seed: int, stage: int, minibatch: int) -> int:
@@ -313,7 +315,7 @@ class Executor:
             raise PipelineSetupError(f"action {action} is for stage {action.stage}, but rank {self.rank} "
                                      f"runs stage {self.topo.stage}")
         kind = action.kind
-        if kind is Kind.F:
+        if kind is _F:
             self.forward(action.index, data)
         else:
             getattr(self, _RUNS[kind])(action.index)
@@ -428,7 +430,7 @@ class Executor:
         else:
             structure, outputs = Structure.split(list(out))
             assert self._out_structure is not None
-            if structure != self._out_structure:
+            if structure is not self._out_structure and structure != self._out_structure:
                 self._out_structure.check(structure, state.module.output_names, b)
         self._inflight[b] = _InFlight(version, tied_versions, leaves, outputs, loss, None, header)
         if self._local_next:
