@@ -112,8 +112,35 @@ def test_a_packed_message_made_on_the_host_is_the_one_made_of_tensors_and_unpack
     host = p.pack_host(_template(specs), header, tensors)
     made = p.pack(_encode(header, specs, torch.device("cpu"), _template(specs)), tensors)
     assert host.dtype == torch.uint8 and torch.equal(host, made)
-    back = p.unpack(host, specs)
-    assert all(torch.equal(a, b.detach()) and a.dtype == b.dtype for a, b in zip(back, tensors))
+    for back in (p.unpack(host, specs), p.unpack_host(host.numpy(), host, specs)):
+        assert all(torch.equal(a, b.detach()) and a.dtype == b.dtype and a.shape == b.shape
+                   for a, b in zip(back, tensors))
+
+
+@pytest.mark.parametrize("sent,minibatch,match", [
+    ([TensorSpec((3,), torch.float32)], 4, "expected minibatch 5 from rank 0, got 4"),
+    ([TensorSpec((1, 3), torch.float32)], 5, r"rank 0 sent float32\[1, 3\] for minibatch 5, but earlier minibatches "
+                                            r"were float32\[3\]"),
+])
+def test_a_packed_message_read_in_place_that_is_not_the_one_expected_is_refused_by_name(sent, minibatch, match):
+    from pipedream_ft.pipeline.comm import RecvHandle, _template
+
+    expected = [TensorSpec((3,), torch.float32)]
+
+    class Receiver:  # the messenger's part a posted receive reads
+        _tails = {0: _template(expected)[4:].tobytes()}
+
+        def _wait(self, work, what, peer):
+            pass
+
+    p = Packing.of(expected)
+    assert p is not None and Packing.of(sent) == p  # the same bytes: only the header tells them apart
+    h = RecvHandle(Receiver(), 0, 5, "activation")  # type: ignore[arg-type]
+    h.packing, h.expected, h.header_work = p, expected, object()
+    h.header_buf = p.pack_host(_template(sent), Header(minibatch), [torch.ones(sent[0].shape)])
+    h.host = h.header_buf.numpy()
+    with pytest.raises(ShapeMismatchError, match=match):
+        h.wait()
 
 def _headers(host: bool, case, *args):
     """``case(*args)`` on this rank, every messenger sending its headers on the host (as under NCCL) if ``host``."""
