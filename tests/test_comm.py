@@ -105,7 +105,8 @@ def test_a_packed_message_made_on_the_host_is_the_one_made_of_tensors_and_unpack
     tensors = [torch.randn(3, 5, generator=g).to(torch.float16), torch.randn((), generator=g),
                torch.tensor([True, False]), torch.zeros(0, 4, dtype=torch.int64),
                torch.randn(2, 2, generator=g).to(torch.bfloat16).requires_grad_(),
-               torch.randn(4, 6, generator=g).t()]  # not contiguous
+               torch.randn(4, 6, generator=g).t(),  # not contiguous
+               torch.randn(2, 3, generator=g, dtype=torch.complex64).conj()]  # a lazily conjugated view
     specs = [TensorSpec.of(t) for t in tensors]
     p, header = Packing.of(specs), Header(7, 3, 2)
     assert p is not None

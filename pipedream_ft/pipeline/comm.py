@@ -192,6 +192,8 @@ class Packing:
         """One ``uint8`` buffer of the encoded ``header`` and ``tensors``."""
         chunks = [header.view(torch.uint8)]
         for t, pad in zip(tensors, self.pads):
+            if t.is_complex():  # a lazily conjugated view has its values made first
+                t = t.resolve_conj().resolve_neg()
             chunks.append(t.detach().reshape(-1).view(torch.uint8))
             if pad:
                 chunks.append(torch.zeros(pad, dtype=torch.uint8, device=header.device))
@@ -207,7 +209,13 @@ class Packing:
         fields[1], fields[2], fields[3] = header.minibatch, header.tag, header.flags
         for t, o, n in zip(tensors, self.offsets, self.nbytes):
             if n:
-                arr[o: o + n] = t.detach().reshape(-1).view(torch.uint8).numpy()
+                np_dtype = _NUMPY.get(t.dtype)
+                if t.is_complex():  # a lazily conjugated view has its values made first
+                    t = t.resolve_conj().resolve_neg()
+                if np_dtype is not None:
+                    arr[o: o + n].view(np_dtype)[:] = t.detach().numpy().reshape(-1)
+                else:
+                    arr[o: o + n] = t.detach().reshape(-1).view(torch.uint8).numpy()
         return torch.from_numpy(arr)
 
     def unpack_host(self, arr: np.ndarray, buf: torch.Tensor, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
