@@ -36,8 +36,8 @@ from spawned import run_world  # noqa: E402
 
 __all__ = ["Case", "run_case", "main"]
 
-TARGET_BOUND = {(20.0, 40.0): 0.95, (2.0, 4.0): 0.85}
-"""Fraction of the no-bubble bound pipedream-ft should reach, per (F, B)."""
+TARGET_BOUND = {(20.0, 40.0): 0.97, (2.0, 4.0): 0.85}
+"""Fraction of the no-bubble bound pipedream-ft should reach, per (F, B): the runtime issue's targets."""
 TARGET_SPEEDUP = 1.3
 """pipedream-ft's throughput over ``Schedule1F1B``'s that it should reach."""
 
