@@ -36,7 +36,7 @@ import logging
 import sys
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -85,8 +85,8 @@ from .pipeline.stepper import Stepper
 from .pipeline.tied import TiedParameters, find_tied, tie_declared
 from .pipeline.topology import Topology
 from .schedules.window import WindowSchedule, resolve_schedule
-from .virtual import (merged_stats, process_actions, runs_virtual, stage_links, stage_plan, stages_per_process,
-                      virtual_layout)
+from .virtual import (iter_process_actions, merged_stats, process_actions, runs_virtual, stage_links, stage_plan,
+                      stages_per_process, virtual_layout)
 
 __all__ = ["MODES", "EvalResult", "LossScale", "PipelineConfig", "RankStats", "TrainResult", "PipelineTrainer",
            "release_all"]
@@ -653,6 +653,12 @@ class PipelineTrainer:
             return process_actions(self.layout, self.env.rank, start, stop)
         return self.mode.lowered(self.topo, start, stop)
 
+    def _lowering(self, start: int, stop: int) -> Iterator[Action]:
+        """:meth:`lowered`, made as it runs (see :meth:`~pipedream_ft.pipeline.modes.Mode.iter_lowered`)."""
+        if self.layout is not None:
+            return iter_process_actions(self.layout, self.env.rank, start, stop)
+        return self.mode.iter_lowered(self.topo, start, stop)
+
     def train(self, data: DataFn | Any, steps: int) -> TrainResult:
         """Train minibatches ``position .. position + steps - 1`` and drain the pipeline. A collective.
 
@@ -738,7 +744,7 @@ class PipelineTrainer:
         try:
             if not all(st.executor.preflight_done for st in self.stages):
                 self._preflight()
-            actions = self.lowered(self.position, stop)
+            actions = self._lowering(self.position, stop)
             if self.layout is None:
                 self._run_one(actions)
             else:
@@ -764,7 +770,7 @@ class PipelineTrainer:
         except PeerTimeoutError as exc:
             return self._peer_failure(exc)
 
-    def _run_one(self, actions: list[Action]) -> None:
+    def _run_one(self, actions: Iterable[Action]) -> None:
         """One stage: every action to its executor, in order."""
         ex, hooks, ckpt, feed = self.executor, self.hooks, self.ckpt, self.stages[0].feed
         for action in actions:
@@ -773,33 +779,34 @@ class PipelineTrainer:
             if ckpt is not None:
                 ckpt.announce_preemption()
 
-    def _run_several(self, actions: list[Action]) -> None:
+    def _run_several(self, actions: Iterable[Action]) -> None:
         """Several stages: each action to its stage's executor, in order; a window's updates together (see
         :meth:`_updates`)."""
         by_stage = {st.index: st for st in self.stages}
         ckpt = self.ckpt
-        i, n = 0, len(actions)
-        while i < n:
-            action = actions[i]
-            if action.kind is Kind.U:
-                i = self._updates(actions, i, by_stage)
+        update, communication = Kind.U, COMMUNICATION
+        it = iter(actions)
+        action = next(it, None)
+        while action is not None:
+            if action.kind is update:  # the window's updates, with the sends and receives among them
+                group = [action]
+                action = next(it, None)
+                while action is not None and (action.kind is update or action.kind in communication):
+                    group.append(action)
+                    action = next(it, None)
+                self._updates(group, by_stage)
                 continue
             st = by_stage[action.stage]
             st.executor.hooks.on_action(action)
             st.executor.run(action, st.feed)  # type: ignore[arg-type]
             if ckpt is not None:
                 ckpt.announce_preemption()
-            i += 1
+            action = next(it, None)
 
-    def _updates(self, actions: list[Action], i: int, by_stage: dict[int, _Stage]) -> int:
-        """Run the window's updates that start at ``actions[i]`` — with the sends and receives among them, in the
-        list's order — together: one all-reduce of every stage's gradient norms and overflow flags first (when
-        clipping or scaling), and each tied update once every holder on this process has given its gradient.
-        Returns the index after them."""
-        j = i
-        while j < len(actions) and (actions[j].kind is Kind.U or actions[j].kind in COMMUNICATION):
-            j += 1
-        group = actions[i:j]
+    def _updates(self, group: list[Action], by_stage: dict[int, _Stage]) -> None:
+        """Run a window's updates — with the sends and receives among them, in the list's order — together: one
+        all-reduce of every stage's gradient norms and overflow flags first (when clipping or scaling), and each
+        tied update once every holder on this process has given its gradient."""
         updates = [a for a in group if a.kind is Kind.U]
         if len({a.index for a in updates}) != 1 or sorted(a.stage for a in updates) != self.stage_indices:
             raise PipelineSetupError(f"process {self.env.rank} updates {', '.join(map(str, updates))} together: a "
@@ -825,7 +832,6 @@ class PipelineTrainer:
                 st.state.tied.drain(a.index + 1)
         if self.ckpt is not None:
             self.ckpt.announce_preemption()
-        return j
 
     def _peer_failure(self, exc: PeerTimeoutError) -> str:
         """A peer's failure seen by :meth:`_run` or :meth:`_gather_losses`: the job's error if one was published

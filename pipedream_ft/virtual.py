@@ -23,16 +23,16 @@ its stages' topologies read, the process's lowered list, and the message streams
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from partitioner.plan import Plan, PlanError
 
 from .pipeline.executor import RankStats
 from .schedules.actions import Action
-from .schedules.comms import add_communication, lower_rank, post_receives_early
+from .schedules.comms import add_communication, iter_lower_rank, lower_rank, post_receives_early
 from .schedules.window import VIRTUAL, WindowSchedule, virtual_schedule
 
-__all__ = ["merged_stats", "process_actions", "runs_virtual", "stage_links", "stage_plan",
+__all__ = ["iter_process_actions", "merged_stats", "process_actions", "runs_virtual", "stage_links", "stage_plan",
            "stages_per_process", "virtual_layout"]
 
 _V_SHAPED = ("zbv", "dualpipev")
@@ -107,6 +107,15 @@ def process_actions(layout: WindowSchedule, rank: int, start: int, stop: int) ->
     every = {r: layout.rank_actions(r, start, stop) for r in range(layout.num_ranks)}
     lowered = add_communication(every, placement)
     return post_receives_early({rank: lowered[rank]})[rank]
+
+
+def iter_process_actions(layout: WindowSchedule, rank: int, start: int, stop: int) -> Iterator[Action]:
+    """:func:`process_actions`, made as they are run (see :meth:`~pipedream_ft.pipeline.modes.Mode.iter_lowered`):
+    whether each stage runs its backwards in its forwards' order is read from two windows."""
+    placement = dict(enumerate(layout.placement))
+    sample = layout.rank_actions(rank, start, min(stop, start + 2 * layout.microbatches))
+    mine = iter_lower_rank(rank, layout.iter_rank_actions(rank, start, stop), placement, sample)
+    return mine if mine is not None else iter(process_actions(layout, rank, start, stop))
 
 
 def stage_links(placement: Sequence[int], mine: Sequence[int], tied: Sequence[Sequence[int]] = ()

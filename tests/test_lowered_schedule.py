@@ -142,3 +142,66 @@ def test_a_process_of_several_stages_lowers_alone_what_the_pass_over_every_proce
         full = add_communication(every, dict(enumerate(layout.placement)))
         for r in range(2):
             assert process_actions(layout, r, start, stop) == post_receives_early({r: full[r]})[r], (r, start)
+
+
+@pytest.mark.parametrize("mode,replicas", [(m, r) for m in ("stash", "flush", "2bw") for r in REPLICAS]
+                         + [("vertical", [1, 1, 1]), ("vertical", [2, 2, 2])])
+def test_a_run_lowered_as_it_goes_is_the_run_lowered_whole(mode, replicas):
+    """Mode.iter_lowered (what a process runs: made as it runs, its stages' order read from a few windows) gives
+    Mode.lowered's list, for runs shorter and much longer than that sample, from the start and from a later cut."""
+    plan = plan_for(mlp(), P3, replicas)
+    m = make_mode(mode, 6, update_every=6 if mode == "2bw" else None)
+    for t in (Topology.of(plan, r) for r in range(plan.world_size)):
+        window = m.window(t)
+        for start, stop in ((0, window), (0, 2 * window), (window, 40 * window), (3 * window, 200 * window)):
+            assert list(m.iter_lowered(t, start, stop)) == m.lowered(t, start, stop), (t.rank, start, stop)
+
+
+def test_a_run_lowered_as_it_goes_starts_at_once_however_long_it_is():
+    from itertools import islice
+
+    plan = plan_for(mlp(), P3, [1, 1, 1])
+    for mode in ("stash", "flush", "2bw"):
+        m = make_mode(mode, 6, update_every=6 if mode == "2bw" else None)
+        for t in (Topology.of(plan, r) for r in range(3)):
+            head = list(islice(m.iter_lowered(t, 0, 6 * 10**9), 300))  # whole, 10**9 minibatches would not fit
+            assert head == m.lowered(t, 0, 600)[:300], (mode, t.rank)
+
+
+@pytest.mark.parametrize("schedule, stages", [("interleaved_1f1b", 4), ("zbv", 4), ("dualpipev", 4),
+                                              ("interleaved_zero_bubble", 6), ("looped_bfs", 6)])
+def test_a_process_of_several_stages_lowers_as_it_goes_what_it_lowers_whole(schedule, stages):
+    from pipedream_ft.virtual import iter_process_actions, process_actions, virtual_layout
+
+    layers = [[2 * s, 2 * s + 1] for s in range(stages)]
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(2 * stages)])
+    layout = virtual_layout(schedule, plan_for(model, layers), 2, 4)
+    for start, stop in ((0, 4), (0, 8), (4, 64)):
+        for r in range(2):
+            assert list(iter_process_actions(layout, r, start, stop)) == process_actions(layout, r, start, stop)
+
+
+def test_a_run_that_leaves_the_order_its_lowering_read_is_refused_not_run():
+    """iter_lower_rank reads each stage's order from a sample; a run that leaves it where the receives depend on it
+    raises instead of running a list that lower_rank would not give."""
+    from pipedream_ft.schedules.comms import iter_lower_rank, lower_rank
+
+    def parse(row: str) -> list[Action]:
+        return [parse_action(t) for t in row.split()]
+
+    placement = {0: 0, 1: 1}
+    in_order = parse("0F0 0F1 0B0 0B1")
+    swapped = parse("0F0 0F1 0B1 0B0")
+    assert lower_rank(0, swapped, placement) is None  # whole, it is seen at once
+    lazily = iter_lower_rank(0, swapped, placement, in_order)
+    assert lazily is not None
+    with pytest.raises(ScheduleError, match="stage 0's backward of minibatch 1 leaves its forwards' order"):
+        list(lazily)
+    # a stage the sample shows with no gradient to receive, that then receives one
+    never = parse("0F0 0F1")
+    with pytest.raises(ScheduleError, match="stage 0 receives the gradient of minibatch 0"):
+        list(iter_lower_rank(0, in_order, placement, never))
+    # a forward whose backward never comes
+    with pytest.raises(ScheduleError, match=r"forwards without their backward \{0: \[1\]\}"):
+        list(iter_lower_rank(0, parse("0F0 0F1 0B0"), placement, in_order))
+    assert list(iter_lower_rank(0, in_order, placement, in_order)) == lower_rank(0, in_order, placement)

@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import ClassVar, Iterator
 
 from partitioner.plan import PlanError
 
-from ..schedules.comms import add_communication, lower_rank, post_receives_early
+from ..schedules.comms import add_communication, iter_lower_rank, lower_rank, post_receives_early
 from ..schedules.placement import Replicated
 from ..schedules.window import ScheduleSpec, WindowSchedule, resolve_schedule
 from ..schedules.actions import Action
-from ..schedules.replicated import SYNCHRONOUS, async_1f1b, double_buffered, in_flight, synchronous
+from ..schedules.replicated import (SYNCHRONOUS, async_1f1b, double_buffered, in_flight, iter_async_1f1b,
+                                   iter_double_buffered, iter_synchronous)
 from .topology import Topology
 from .versions import Version, VersionStore
 
@@ -73,6 +74,22 @@ class Mode(ABC):
                  for r in range(plan.world_size)}
         lowered = add_communication(every, placement)
         return post_receives_early({topo.rank: lowered[topo.rank]})[topo.rank]
+
+    def iter_schedule(self, topo: Topology, start: int, stop: int) -> Iterator[Action]:
+        """:meth:`schedule`, made as it is read."""
+        return iter(self.schedule(topo, start, stop))
+
+    def iter_lowered(self, topo: Topology, start: int, stop: int) -> Iterator[Action]:
+        """:meth:`lowered`, made as it is run: a long run's list is never held whole, and a run that starts again
+        after a recovery does not wait for the rest of it to be lowered first. Where each stage's order decides
+        the receives, it is read from a few windows of the schedule and checked as the run goes
+        (:func:`~pipedream_ft.schedules.comms.iter_lower_rank`)."""
+        plan = topo.plan
+        placement = Replicated.of([s.ranks for s in plan.stages])
+        window = self.window(topo)
+        sample = self.schedule(topo, start, min(stop, start + window * max(2, -(-64 // window))))
+        mine = iter_lower_rank(topo.rank, self.iter_schedule(topo, start, stop), placement, sample)
+        return mine if mine is not None else iter(self.lowered(topo, start, stop))
 
     def window(self, topo: Topology) -> int:
         """Runs of minibatches (and checkpoint cuts) must start and end on multiples of this."""
@@ -120,6 +137,9 @@ class Stash(Mode):
 
     def schedule(self, topo: Topology, start: int, stop: int) -> list[Action]:
         return async_1f1b(topo.stage, topo.replica, topo.replicas, start, stop)
+
+    def iter_schedule(self, topo: Topology, start: int, stop: int) -> Iterator[Action]:
+        return iter_async_1f1b(topo.stage, topo.replica, topo.replicas, start, stop)
 
     def versions_kept(self, topo: Topology) -> int:
         return in_flight(topo.stage, topo.replicas) - 1
@@ -197,9 +217,12 @@ class Flush(Mode):
         return {"mode": self.name, "flush_every": self.flush_every}
 
     def schedule(self, topo: Topology, start: int, stop: int) -> list[Action]:
+        return list(self.iter_schedule(topo, start, stop))
+
+    def iter_schedule(self, topo: Topology, start: int, stop: int) -> Iterator[Action]:
         if isinstance(self.order, WindowSchedule):
-            return self.order.actions(topo.stage, start, stop)
-        return synchronous(self.order, topo.stage, topo.replica, topo.replicas, start, stop, self.flush_every)
+            return self.order.iter_actions(topo.stage, start, stop)
+        return iter_synchronous(self.order, topo.stage, topo.replica, topo.replicas, start, stop, self.flush_every)
 
     def window(self, topo: Topology) -> int:
         return math.lcm(super().window(topo), self.flush_every)
@@ -281,6 +304,9 @@ class TwoBW(Mode):
 
     def schedule(self, topo: Topology, start: int, stop: int) -> list[Action]:
         return double_buffered(topo.stage, topo.replica, topo.replicas, start, stop, self.interval(topo))
+
+    def iter_schedule(self, topo: Topology, start: int, stop: int) -> Iterator[Action]:
+        return iter_double_buffered(topo.stage, topo.replica, topo.replicas, start, stop, self.interval(topo))
 
     def window(self, topo: Topology) -> int:
         return math.lcm(super().window(topo), self.interval(topo))

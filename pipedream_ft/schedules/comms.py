@@ -15,13 +15,13 @@ ranks, and a message goes to the replica of the neighbouring stage that runs ``m
 from __future__ import annotations
 
 from collections import deque
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 from .actions import BACKWARD, COMMUNICATION, Action, Kind, Schedule
 from .errors import ScheduleError
 from .placement import PlacementLike, Replicated, as_replicated, stage_to_rank
 
-__all__ = ["add_communication", "lower_rank", "messages_of", "post_receives_early"]
+__all__ = ["add_communication", "iter_lower_rank", "lower_rank", "messages_of", "post_receives_early"]
 
 
 def messages_of(action: Action, placement: PlacementLike) -> tuple[Action, Action] | None:
@@ -168,23 +168,80 @@ def lower_rank(rank: int, actions: Sequence[Action | None], placement: Placement
     and lowering a run costs each process its own actions instead of every rank's (the pure tests check that the
     lists are the same). Otherwise (a stage's ``RECV_B`` stays where its send placed it) this returns ``None``.
     The schedule's deadlock check is not repeated here: the modes' generators and every table (at load) are
-    checked whole.
-
-    Two passes over ``actions``, each message made once: a run of many minibatches is lowered before it starts,
-    so this is on the way to the first forward (see ``benchmarks/bench_lowering.py``)."""
+    checked whole. See ``benchmarks/bench_lowering.py`` for what it costs."""
     where = as_replicated(placement)
+    own = [a for a in actions if a is not None]
+    after_send = _receives_after_sends(rank, own, where)
+    if after_send is None:
+        return None
+    return list(_lowered(rank, iter(own), where, after_send, checked=True))
+
+
+def iter_lower_rank(rank: int, actions: Iterable[Action | None], placement: PlacementLike,
+                    sample: Sequence[Action | None]) -> Iterator[Action] | None:
+    """:func:`lower_rank` of ``actions`` made as they are read, so that a long run's list is never held whole —
+    or ``None`` where it depends on the other ranks' order. Whether each stage of ``rank`` runs its backwards in
+    the order of its forwards is read from ``sample``: the same schedule over a few windows (at least one whole
+    period of its replicas). The run is checked against it as it goes: a stage that leaves that order where it
+    matters raises :class:`ScheduleError` instead of running a list other than :func:`lower_rank`'s."""
+    where = as_replicated(placement)
+    after_send = _receives_after_sends(rank, [a for a in sample if a is not None], where)
+    if after_send is None:
+        return None
+    return _lowered(rank, (a for a in actions if a is not None), where, after_send, checked=False)
+
+
+def _receives_after_sends(rank: int, own: Sequence[Action], where: Replicated) -> set[int] | None:
+    """The stages of ``rank`` whose gradient receives follow their activations' sends
+    (:func:`post_receives_early`: a stage that runs its backwards in its forwards' order), or ``None`` if a stage
+    that receives gradients does not run them in that order (its receives then depend on the other ranks')."""
+    ranks = where.ranks
+    last = len(ranks) - 1
+    F, B, I = Kind.F, Kind.B, Kind.I  # locals: an enum member read off its class is slow
+    forwards: dict[int, list[int]] = {}
+    backwards: dict[int, list[int]] = {}
+    receiving: set[int] = set()
+    for a in own:
+        kind, s, m = a.kind, a.stage, a.index
+        if kind is F:
+            forwards.setdefault(s, []).append(m)
+        elif (kind is B or kind is I) and 0 <= s <= last:
+            backwards.setdefault(s, []).append(m)
+            if s < last:
+                held = ranks[s + 1]
+                if held[m % len(held)] != rank:
+                    receiving.add(s)
+    in_order = {s for s, f in forwards.items() if backwards.get(s, f) == f}
+    if any(s not in in_order for s in receiving if s in forwards):
+        return None
+    return {s for s in in_order if s in backwards}
+
+
+def _lowered(rank: int, actions: Iterator[Action], where: Replicated, after_send: set[int], *,
+             checked: bool) -> Iterator[Action]:
+    """``actions`` (compute and updates, no idle slot) with their sends and receives, receives moved early
+    (:func:`post_receives_early`), each action checked to run on ``rank`` as it is read. ``after_send``: see
+    :func:`_receives_after_sends`; unless ``checked`` (it was read from these very actions), the order it stands
+    for is checked as the actions go by. Looks ahead in ``actions`` only as far as each stage's next forward."""
     ranks = where.ranks
     last = len(ranks) - 1
     F, U, B, I = Kind.F, Kind.U, Kind.B, Kind.I  # locals: an enum member read off its class is slow
     RECV_F, SEND_F, RECV_B, SEND_B = Kind.RECV_F, Kind.SEND_F, Kind.RECV_B, Kind.SEND_B
-    own: list[Action] = []
-    forwards: dict[int, list[int]] = {}
-    backwards: dict[int, list[int]] = {}
-    receiving: set[int] = set()
-    """Stages of ``rank`` that receive a gradient."""
-    for a in actions:
+    made = Action.trusted
+    ahead: deque[Action] = deque()
+    """Actions read from ``actions`` but not placed yet (to find a stage's next forward)."""
+    upcoming: dict[int, deque[int]] = {}
+    """Per stage, the minibatches of its forwards in ``ahead`` and the one being placed, in order."""
+    started: set[int] = set()
+    """Stages whose first forward is placed."""
+    open_: dict[int, deque[int]] = {} if checked else {s: deque() for s in after_send if s < last}
+    """Per stage of ``after_send`` that may receive a gradient, its placed forwards whose backward has not come yet
+    (to check the order the lowering read from a sample)."""
+
+    def read() -> bool:
+        a = next(actions, None)
         if a is None:
-            continue
+            return False
         kind, s, m = a.kind, a.stage, a.index
         if kind in COMMUNICATION:
             raise ScheduleError(f"rank {rank}'s schedule already has communication ({a})")
@@ -194,54 +251,70 @@ def lower_rank(rank: int, actions: Sequence[Action | None], placement: Placement
             held = ranks[s]
             if held[m % len(held)] != rank:
                 where.check(a, rank)  # raises
-        own.append(a)
+        ahead.append(a)
         if kind is F:
-            forwards.setdefault(s, []).append(m)
-        elif kind is B or kind is I:
-            backwards.setdefault(s, []).append(m)
-            if s < last:
-                held = ranks[s + 1]
-                if held[m % len(held)] != rank:
-                    receiving.add(s)
-    # a stage that runs its backwards in its forwards' order has each gradient's receive posted right after its
-    # activation's send (post_receives_early); a receiving stage that does not makes the list depend on the others
-    in_order = {s for s, f in forwards.items() if backwards.get(s, f) == f}
-    if any(s not in in_order for s in receiving if s in forwards):
-        return None
-    after_send = {s for s in in_order if s in backwards}
-    """Stages whose gradient receives follow their activations' sends."""
-    made = Action.trusted
-    following = {s: iter(f[1:]) for s, f in forwards.items()}
-    """Per stage, the forward after the one being placed: its input's receive goes before this one."""
-    lowered: list[Action] = []
-    put = lowered.append
-    for a in own:
+            q = upcoming.get(s)
+            if q is None:
+                q = upcoming[s] = deque()
+            q.append(m)
+        return True
+
+    while ahead or read():
+        a = ahead.popleft()
         kind, s, m = a.kind, a.stage, a.index
         if kind is F:
+            q = upcoming[s]
+            q.popleft()  # this forward
             if s > 0:
                 prev = ranks[s - 1]
-                if m == forwards[s][0] and prev[m % len(prev)] != rank:
-                    put(made(s, RECV_F, m))
-                nxt = next(following[s], None)
-                if nxt is not None and prev[nxt % len(prev)] != rank:
-                    put(made(s, RECV_F, nxt))
-            put(a)
+                if s not in started:
+                    started.add(s)
+                    if prev[m % len(prev)] != rank:
+                        yield made(s, RECV_F, m)
+                while not q and read():
+                    pass
+                if q and prev[q[0] % len(prev)] != rank:
+                    yield made(s, RECV_F, q[0])  # the next forward's input, on its way while this one runs
+            else:
+                started.add(s)
+            yield a
+            if s in open_:
+                open_[s].append(m)
             if s < last:
                 held = ranks[s + 1]
                 if held[m % len(held)] != rank:
-                    put(made(s, SEND_F, m))
+                    yield made(s, SEND_F, m)
                     if s in after_send:
-                        put(made(s, RECV_B, m))
+                        yield made(s, RECV_B, m)
         elif kind is B or kind is I:
-            if s < last and s not in after_send:
+            if s < last:
                 held = ranks[s + 1]
-                if held[m % len(held)] != rank:
-                    put(made(s, RECV_B, m))
-            put(a)
+                needs = held[m % len(held)] != rank
+                if not checked:
+                    _check_order(rank, s, m, open_, started, needs)
+                if needs and s not in after_send:
+                    yield made(s, RECV_B, m)
+            yield a
             if s > 0:
                 prev = ranks[s - 1]
                 if prev[m % len(prev)] != rank:
-                    put(made(s, SEND_B, m))
+                    yield made(s, SEND_B, m)
         else:
-            put(a)
-    return lowered
+            yield a
+    if not checked and any(open_.values()):
+        left = {s: list(q) for s, q in open_.items() if q}
+        raise ScheduleError(f"rank {rank}: forwards without their backward {left}: the run's list is not the "
+                            "schedule it was lowered as")
+
+
+def _check_order(rank: int, s: int, m: int, open_: dict[int, deque[int]], started: set[int], needs: bool) -> None:
+    """A backward of minibatch ``m`` on stage ``s`` as the lowering read the schedule's order (see
+    :func:`iter_lower_rank`)."""
+    q = open_.get(s)
+    if q is not None:
+        if not q or q.popleft() != m:
+            raise ScheduleError(f"rank {rank}: stage {s}'s backward of minibatch {m} leaves its forwards' order, "
+                                "which the lowering read from a sample of the schedule")
+    elif needs and s in started:
+        raise ScheduleError(f"rank {rank}: stage {s} receives the gradient of minibatch {m}, which the lowering "
+                            "read from a sample of the schedule as never happening")

@@ -21,13 +21,13 @@ flight — ``S - s`` in a straight pipeline of ``S`` stages — enough to keep e
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from . import catalog
 from .actions import Action, Kind
 
 __all__ = ["in_flight", "replica_minibatches", "async_1f1b", "flushing", "SYNCHRONOUS", "synchronous",
-           "double_buffered"]
+           "double_buffered", "iter_async_1f1b", "iter_flushing", "iter_synchronous", "iter_double_buffered"]
 
 _made = Action.trusted
 _F, _B, _U = Kind.F, Kind.B, Kind.U
@@ -43,10 +43,14 @@ def in_flight(stage: int, replicas: Sequence[int]) -> int:
 
 def replica_minibatches(replica: int, num_replicas: int, start: int, stop: int) -> list[int]:
     """The minibatches in ``[start, stop)`` that ``replica`` of a stage with ``num_replicas`` replicas runs."""
+    return list(_replica_range(replica, num_replicas, start, stop))
+
+
+def _replica_range(replica: int, num_replicas: int, start: int, stop: int) -> range:
     if not 0 <= replica < num_replicas:
         raise ValueError(f"replica must be in [0, {num_replicas}), got {replica}")
     first = start + (replica - start) % num_replicas
-    return list(range(first, stop, num_replicas))
+    return range(first, stop, num_replicas)
 
 
 def async_1f1b(stage: int, replica: int, replicas: Sequence[int], start: int, stop: int) -> list[Action]:
@@ -54,33 +58,58 @@ def async_1f1b(stage: int, replica: int, replicas: Sequence[int], start: int, st
 
     ``start`` must be a multiple of every stage's replica count, so that every replica starts a round.
     """
+    return list(iter_async_1f1b(stage, replica, replicas, start, stop))
+
+
+def iter_async_1f1b(stage: int, replica: int, replicas: Sequence[int], start: int, stop: int) -> Iterator[Action]:
+    """:func:`async_1f1b`, made as it is read (a long run's list is never held whole)."""
     _check_window(start, stop, replicas)
-    mine = replica_minibatches(replica, replicas[stage], start, stop)
+    mine = _replica_range(replica, replicas[stage], start, stop)
     k = min(in_flight(stage, replicas), len(mine))
-    first_round = start // replicas[stage]
-    actions = [_made(stage, _F, b) for b in mine[:k]]
+    return _one_f_one_b(stage, mine, k, start // replicas[stage], None)
+
+
+def _one_f_one_b(stage: int, mine: range, k: int, first_round: int, window: int | None) -> Iterator[Action]:
+    """1F1B without a flush over ``mine``, ``k`` in flight: an update after every backward (``window`` None, the
+    ``i``-th numbered ``first_round + i``), or after the replica's last backward of each window of ``window``."""
+    step = mine.step
+    for b in mine[:k]:
+        yield _made(stage, _F, b)
+    n = len(mine)
     for i, b in enumerate(mine):
-        actions.append(_made(stage, _B, b))
-        actions.append(_made(stage, _U, first_round + i))
-        if i + k < len(mine):
-            actions.append(_made(stage, _F, mine[i + k]))
-    return actions
+        yield _made(stage, _B, b)
+        if window is None:
+            yield _made(stage, _U, first_round + i)
+        elif (b + step) // window != b // window:  # this replica's last of the window
+            yield _made(stage, _U, b // window)
+        if i + k < n:
+            yield _made(stage, _F, mine[i + k])
 
 
 def flushing(stage: int, replica: int, replicas: Sequence[int], start: int, stop: int, window: int) -> list[Action]:
     """1F1B inside windows of ``window`` minibatches, one update per window (the pipeline flushes)."""
+    return list(iter_flushing(stage, replica, replicas, start, stop, window))
+
+
+def iter_flushing(stage: int, replica: int, replicas: Sequence[int], start: int, stop: int,
+                  window: int) -> Iterator[Action]:
+    """:func:`flushing`, made as it is read."""
     _check_windows(start, stop, replicas, window)
-    actions: list[Action] = []
+    return _flushing(stage, replica, replicas, start, stop, window)
+
+
+def _flushing(stage: int, replica: int, replicas: Sequence[int], start: int, stop: int,
+              window: int) -> Iterator[Action]:
     for w in range(start // window, stop // window):
-        mine = replica_minibatches(replica, replicas[stage], w * window, (w + 1) * window)
+        mine = _replica_range(replica, replicas[stage], w * window, (w + 1) * window)
         k = min(in_flight(stage, replicas), len(mine))
-        actions += [_made(stage, _F, b) for b in mine[:k]]
+        for b in mine[:k]:
+            yield _made(stage, _F, b)
         for i, b in enumerate(mine):
-            actions.append(_made(stage, _B, b))
+            yield _made(stage, _B, b)
             if i + k < len(mine):
-                actions.append(_made(stage, _F, mine[i + k]))
-        actions.append(_made(stage, _U, w))
-    return actions
+                yield _made(stage, _F, mine[i + k])
+        yield _made(stage, _U, w)
 
 
 SYNCHRONOUS = ("1f1b", "gpipe", "zb_h1")
@@ -94,8 +123,14 @@ def synchronous(name: str, stage: int, replica: int, replicas: Sequence[int], st
     """Schedule ``name`` (one of :data:`SYNCHRONOUS`) over windows of ``window`` minibatches, one update per window:
     the orders of :mod:`pipedream_ft.schedules`, whose minibatch ``m`` of a window is minibatch ``w + m`` here.
     GPipe and ZB-H1 run straight pipelines (no replicated stage)."""
+    return list(iter_synchronous(name, stage, replica, replicas, start, stop, window))
+
+
+def iter_synchronous(name: str, stage: int, replica: int, replicas: Sequence[int], start: int, stop: int,
+                     window: int) -> Iterator[Action]:
+    """:func:`synchronous`, made as it is read."""
     if name == "1f1b":
-        return flushing(stage, replica, replicas, start, stop, window)
+        return iter_flushing(stage, replica, replicas, start, stop, window)
     if name not in SYNCHRONOUS:
         raise ValueError(f"schedule must be one of {SYNCHRONOUS}, got {name!r}")
     if any(r != 1 for r in replicas):
@@ -104,29 +139,32 @@ def synchronous(name: str, stage: int, replica: int, replicas: Sequence[int], st
     _check_window(start, stop, replicas)
     if window < 1 or start % window or stop % window:
         raise ValueError(f"minibatches [{start}, {stop}) are not whole windows of {window}")
-    order = catalog.build(name, len(replicas), window).schedule[stage]
-    actions: list[Action] = []
-    for w in range(start // window, stop // window):
-        actions += [Action.trusted(stage, a.kind, w * window + a.index) for a in order]
-        actions.append(_made(stage, _U, w))
-    return actions
+    order = [(a.kind, a.index) for a in catalog.build(name, len(replicas), window).schedule[stage]]
+    return _windows(stage, order, start // window, stop // window, window)
+
+
+def _windows(stage: int, order: list[tuple[Kind, int]], first: int, last: int, window: int) -> Iterator[Action]:
+    for w in range(first, last):
+        base = w * window
+        for kind, index in order:
+            yield _made(stage, kind, base + index)
+        yield _made(stage, _U, w)
 
 
 def double_buffered(stage: int, replica: int, replicas: Sequence[int], start: int, stop: int,
                     window: int) -> list[Action]:
     """PipeDream-2BW: asynchronous 1F1B (no flush) with one update per window of ``window`` minibatches, right
     after this replica's last backward of the window."""
+    return list(iter_double_buffered(stage, replica, replicas, start, stop, window))
+
+
+def iter_double_buffered(stage: int, replica: int, replicas: Sequence[int], start: int, stop: int,
+                         window: int) -> Iterator[Action]:
+    """:func:`double_buffered`, made as it is read."""
     _check_windows(start, stop, replicas, window)
-    mine = replica_minibatches(replica, replicas[stage], start, stop)
+    mine = _replica_range(replica, replicas[stage], start, stop)
     k = min(in_flight(stage, replicas), len(mine))
-    actions = [_made(stage, _F, b) for b in mine[:k]]
-    for i, b in enumerate(mine):
-        actions.append(_made(stage, _B, b))
-        if (b + replicas[stage]) // window != b // window:  # this replica's last of the window
-            actions.append(_made(stage, _U, b // window))
-        if i + k < len(mine):
-            actions.append(_made(stage, _F, mine[i + k]))
-    return actions
+    return _one_f_one_b(stage, mine, k, 0, window)
 
 
 def _check_windows(start: int, stop: int, replicas: Sequence[int], window: int) -> None:

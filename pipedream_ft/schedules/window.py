@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import Mapping, Sequence, Union
+from typing import Iterator, Mapping, Sequence, Union
 
 from .actions import COMMUNICATION, Action, Kind, parse_action
 from .costs import Costs
@@ -117,28 +117,23 @@ class WindowSchedule:
         """Rank ``rank``'s actions for minibatches ``[start, stop)`` (whole windows), all its stages' together in
         the order it runs them: each window's row, then the window's update of each of its stages. Its
         projection on a stage is :meth:`actions` of that stage."""
+        return list(self.iter_rank_actions(rank, start, stop))
+
+    def iter_rank_actions(self, rank: int, start: int, stop: int) -> Iterator[Action]:
+        """:meth:`rank_actions`, made as they are read (a long run's list is never held whole)."""
         m = self._windows(start, stop)
-        out: list[Action] = []
-        made, update = Action.trusted, Kind.U  # shifts of checked actions: a run of many windows makes many
-        row, stages = [(a.stage, a.kind, a.index) for a in self.rows[rank]], self.stages_of(rank)
-        for w in range(start // m, stop // m):
-            base = w * m
-            out += [made(s, k, base + i) for s, k, i in row]
-            out += [made(s, update, w) for s in stages]
-        return out
+        row = [(a.stage, a.kind, a.index) for a in self.rows[rank]]
+        return _shifted(row, self.stages_of(rank), start // m, stop // m, m)
 
     def actions(self, stage: int, start: int, stop: int) -> list[Action]:
         """Stage ``stage``'s actions for minibatches ``[start, stop)`` (whole windows): each window's row, its
         minibatches shifted into place, then the window's update."""
+        return list(self.iter_actions(stage, start, stop))
+
+    def iter_actions(self, stage: int, start: int, stop: int) -> Iterator[Action]:
+        """:meth:`actions`, made as they are read."""
         m = self._windows(start, stop)
-        out: list[Action] = []
-        made, update = Action.trusted, Kind.U
-        order = [(a.kind, a.index) for a in self.orders[stage]]
-        for w in range(start // m, stop // m):
-            base = w * m
-            out += [made(stage, k, base + i) for k, i in order]
-            out.append(made(stage, update, w))
-        return out
+        return _shifted([(stage, a.kind, a.index) for a in self.orders[stage]], [stage], start // m, stop // m, m)
 
     def _windows(self, start: int, stop: int) -> int:
         m = self.microbatches
@@ -251,3 +246,15 @@ def virtual_schedule(name: str, ranks: int, microbatches: int, stages_per_rank: 
         raise ValueError(f"schedule {name!r} is not one of several stages per rank ({', '.join(VIRTUAL)})")
     built = build(name, ranks, microbatches, stages_per_rank)
     return WindowSchedule.of(built.schedule, name)
+
+
+def _shifted(row: list[tuple[int, Kind, int]], stages: list[int], first: int, last: int, m: int) -> Iterator[Action]:
+    """Windows ``first .. last - 1`` of ``row`` (``(stage, kind, index)`` of a window's checked actions), each
+    shifted by its first minibatch and followed by its update of each of ``stages``."""
+    made, update = Action.trusted, Kind.U  # shifts of checked actions: a run of many windows makes many
+    for w in range(first, last):
+        base = w * m
+        for s, k, i in row:
+            yield made(s, k, base + i)
+        for s in stages:
+            yield made(s, update, w)
