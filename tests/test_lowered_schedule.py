@@ -131,17 +131,21 @@ def test_each_rank_lowers_alone_what_the_pass_over_every_rank_gives(mode, replic
 @pytest.mark.parametrize("schedule, stages", [("interleaved_1f1b", 4), ("zbv", 4), ("dualpipev", 4),
                                               ("interleaved_zero_bubble", 6), ("looped_bfs", 6)])
 def test_a_process_of_several_stages_lowers_alone_what_the_pass_over_every_process_gives(schedule, stages):
+    """A process's list made whole (process_actions) and as it runs (iter_process_actions, which reads its stages'
+    order from two windows) is the pass's over every process, for runs shorter and longer than those windows."""
     from pipedream_ft.schedules.comms import post_receives_early
-    from pipedream_ft.virtual import process_actions, virtual_layout
+    from pipedream_ft.virtual import iter_process_actions, process_actions, virtual_layout
 
     layers = [[2 * s, 2 * s + 1] for s in range(stages)]
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(2 * stages)])
     layout = virtual_layout(schedule, plan_for(model, layers), 2, 4)
-    for start, stop in ((0, 8), (4, 16)):
+    for start, stop in ((0, 4), (0, 8), (4, 16), (4, 64)):
         every = {r: layout.rank_actions(r, start, stop) for r in range(2)}
         full = add_communication(every, dict(enumerate(layout.placement)))
         for r in range(2):
-            assert process_actions(layout, r, start, stop) == post_receives_early({r: full[r]})[r], (r, start)
+            want = post_receives_early({r: full[r]})[r]
+            assert process_actions(layout, r, start, stop) == want, (r, start)
+            assert list(iter_process_actions(layout, r, start, stop)) == want, (r, start)
 
 
 @pytest.mark.parametrize("mode,replicas", [(m, r) for m in ("stash", "flush", "2bw") for r in REPLICAS]
@@ -166,19 +170,6 @@ def test_a_run_lowered_as_it_goes_starts_at_once_however_long_it_is():
         for t in (Topology.of(plan, r) for r in range(3)):
             head = list(islice(m.iter_lowered(t, 0, 6 * 10**9), 300))  # whole, 10**9 minibatches would not fit
             assert head == m.lowered(t, 0, 600)[:300], (mode, t.rank)
-
-
-@pytest.mark.parametrize("schedule, stages", [("interleaved_1f1b", 4), ("zbv", 4), ("dualpipev", 4),
-                                              ("interleaved_zero_bubble", 6), ("looped_bfs", 6)])
-def test_a_process_of_several_stages_lowers_as_it_goes_what_it_lowers_whole(schedule, stages):
-    from pipedream_ft.virtual import iter_process_actions, process_actions, virtual_layout
-
-    layers = [[2 * s, 2 * s + 1] for s in range(stages)]
-    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(2 * stages)])
-    layout = virtual_layout(schedule, plan_for(model, layers), 2, 4)
-    for start, stop in ((0, 4), (0, 8), (4, 64)):
-        for r in range(2):
-            assert list(iter_process_actions(layout, r, start, stop)) == process_actions(layout, r, start, stop)
 
 
 def test_a_run_that_leaves_the_order_its_lowering_read_is_refused_not_run():
